@@ -1,0 +1,9 @@
+"""deltarule: the generalized gated delta rule, one contract, several backends."""
+
+from .api import linear_attention, validate
+from .backends import info as backend_info
+from .errors import ContractError, Unsupported
+
+__version__ = "0.1.0"
+
+__all__ = ["linear_attention", "validate", "backend_info", "ContractError", "Unsupported", "__version__"]

@@ -1,0 +1,331 @@
+"""The public operator `linear_attention`: validation, defaults, dispatch."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from . import backends as _backends
+from .errors import ContractError
+from .problem import (
+    DELTA_RULES,
+    GATED_RULES,
+    INPUT_DTYPES,
+    LAYOUTS,
+    RULES,
+    Problem,
+    Span,
+)
+
+_INT_DTYPES = (torch.int32, torch.int64)
+_DTYPE_NAMES = "float32, float16 or bfloat16"
+
+
+def linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    rule: str = "gated_delta",
+    g: torch.Tensor | None = None,
+    gk: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    erase: torch.Tensor | None = None,
+    write: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    state_layout: str = "kv",
+    cu_seqlens: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
+    qk_l2norm: bool = False,
+    l2norm_eps: float = 1e-6,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    beta_sigmoid: bool = False,
+    chunk_size: int = 64,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The generalized gated delta rule, one formula for the whole family.
+
+    Per sequence and state head, with state S [K, V] (float32, K-major)::
+
+        S' = diag(exp(gk_t + g_t)) S_{t-1}
+        S_t = S' + k_t (w_t * v_t - S'^T (b_t * k_t))^T      # b = erase, w = write
+        o_t = scale * S_t^T q_t
+
+    Args:
+        q: [B, T, Hq, K] float32 / float16 / bfloat16 queries.
+        k: [B, T, Hk, K] keys, q's dtype. L2-normalised keys (or
+            `qk_l2norm=True`) keep the delta rules well conditioned.
+        v: [B, T, Hv, V] values, q's dtype. Hv is the number of state heads;
+            Hv must be a multiple of Hk (value head h reads key head
+            h // (Hv // Hk)); queries either match the keys (Hq == Hk, "GVA")
+            or are a multiple of Hv == Hk (query head j reads state head
+            j // (Hq // Hv), "GQA").
+        rule: "linear" | "gated" | "delta" | "gated_delta" (default).
+        g: [B, T, Hv] scalar log-space decay (natural log), any float dtype.
+            Present (alone or with `gk`) exactly for "gated" / "gated_delta".
+        gk: [B, T, Hv, K] per-key log-space decay (KDA). May come with `g`.
+        beta: [B, T, Hv] erase = write rate. Exactly one of `beta` or the pair
+            `erase` / `write` for "delta" / "gated_delta"; none otherwise.
+        erase: [B, T, Hv, K] channel-wise erase gate (Gated DeltaNet-2).
+        write: [B, T, Hv, V] channel-wise write gate (Gated DeltaNet-2).
+        scale: output scale, default K ** -0.5; must be finite.
+        initial_state: float32 [N, Hv, K, V] ("kv") or [N, Hv, V, K] ("vk");
+            default zeros. With `state_indices` it is a slab [S, Hv, ...]
+            updated IN PLACE and returned.
+        state_layout: "kv" (default) or "vk", the layout of `initial_state`
+            and of the returned state.
+        cu_seqlens: [N + 1] int32 / int64 packed varlen offsets; needs B == 1.
+            Offsets are clamped to [0, T]; a decreasing or equal pair gives an
+            empty sequence whose state is copied through. Tokens outside every
+            sequence get a zero output; where clamped spans overlap, the later
+            sequence writes the output.
+        seq_lens: [B] int ragged lengths in [0, T]; outputs past a row's
+            length are zero. Excludes `cu_seqlens`.
+        state_indices: [N] int slab rows, distinct; negative = padding (zero
+            output, no slab row touched). Needs `initial_state`.
+        qk_l2norm: L2-normalise q and k per head in float32:
+            x * rsqrt(sum(x^2) + l2norm_eps).
+        l2norm_eps: default 1e-6.
+        A_log: [Hv] float; with `dt_bias`, `g` (or `gk`) is the raw gate
+            projection and the decay is -exp(A_log) * softplus(g + dt_bias),
+            formed in float32.
+        dt_bias: [Hv] beside `g`, or [Hv, K] beside `gk`.
+        beta_sigmoid: apply a sigmoid to beta / erase / write in float32.
+        chunk_size: scheduling hint >= 1; never changes the result beyond
+            rounding.
+        backend: "auto" (default) or a name from `deltarule.backends()`.
+
+    Returns:
+        (o, state): o [B, T, max(Hq, Hv), V] in v's dtype; state float32 in
+        `state_layout`, [N, Hv, K, V] (or the slab itself with
+        `state_indices`), N = len(cu_seqlens) - 1 with varlen, else B.
+
+    Raises:
+        ContractError: any invalid argument, before any work.
+        Unsupported: the named backend declines this valid call.
+
+    Example:
+        >>> import torch, deltarule
+        >>> B, T, H, K, V = 1, 5, 2, 8, 8
+        >>> q, k, v = (torch.randn(B, T, H, d) for d in (K, K, V))
+        >>> k = torch.nn.functional.normalize(k, dim=-1)
+        >>> g = -torch.rand(B, T, H)
+        >>> beta = torch.rand(B, T, H)
+        >>> o, state = deltarule.linear_attention(q, k, v, g=g, beta=beta)
+        >>> tuple(o.shape), tuple(state.shape)
+        ((1, 5, 2, 8), (1, 2, 8, 8))
+    """
+    problem = validate(
+        q, k, v, rule=rule, g=g, gk=gk, beta=beta, erase=erase, write=write,
+        scale=scale, initial_state=initial_state, state_layout=state_layout,
+        cu_seqlens=cu_seqlens, seq_lens=seq_lens, state_indices=state_indices,
+        qk_l2norm=qk_l2norm, l2norm_eps=l2norm_eps, A_log=A_log, dt_bias=dt_bias,
+        beta_sigmoid=beta_sigmoid, chunk_size=chunk_size,
+    )
+    return _backends.dispatch(problem, backend)
+
+
+def validate(
+    q, k, v, *, rule="gated_delta", g=None, gk=None, beta=None, erase=None, write=None,
+    scale=None, initial_state=None, state_layout="kv", cu_seqlens=None, seq_lens=None,
+    state_indices=None, qk_l2norm=False, l2norm_eps=1e-6, A_log=None, dt_bias=None,
+    beta_sigmoid=False, chunk_size=64,
+) -> Problem:
+    """Check every argument of `linear_attention`; return the `Problem`.
+
+    Raises `ContractError` on the first invalid argument. Reads `cu_seqlens`,
+    `seq_lens` and `state_indices` to the host; touches nothing else.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x, rank=4, dtypes=INPUT_DTYPES, dtype_names=_DTYPE_NAMES)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ContractError("k, v", f"q's dtype {q.dtype}", f"k {k.dtype}, v {v.dtype}")
+    B, T, Hq, K = q.shape
+    Hk, Hv, V = k.shape[2], v.shape[2], v.shape[3]
+    if Hq < 1 or K < 1:
+        raise ContractError("q", "[B, T, Hq, K] with Hq, K >= 1", tuple(q.shape))
+    if tuple(k.shape) != (B, T, Hk, K) or Hk < 1:
+        raise ContractError("k", f"[B, T, Hk, K] = [{B}, {T}, Hk >= 1, {K}]", tuple(k.shape))
+    if tuple(v.shape[:2]) != (B, T) or Hv < 1 or V < 1:
+        raise ContractError("v", f"[B, T, Hv, V] = [{B}, {T}, Hv >= 1, V >= 1]", tuple(v.shape))
+    if Hv % Hk:
+        raise ContractError("v", f"Hv a multiple of Hk = {Hk}", f"Hv = {Hv}")
+    if Hq != Hk and not (Hv == Hk and Hq % Hv == 0):
+        raise ContractError(
+            "q", f"Hq == Hk = {Hk} (GVA) or Hq a multiple of Hv == Hk (GQA)",
+            f"Hq = {Hq}, Hk = {Hk}, Hv = {Hv}",
+        )
+    device = q.device
+    for name, x in (("k", k), ("v", v)):
+        _check_device(name, x, device)
+
+    if rule not in RULES:
+        raise ContractError("rule", " | ".join(RULES), repr(rule))
+    _check_presence(rule, g=g, gk=gk, beta=beta, erase=erase, write=write)
+    gate_shapes = {
+        "g": (B, T, Hv), "gk": (B, T, Hv, K), "beta": (B, T, Hv),
+        "erase": (B, T, Hv, K), "write": (B, T, Hv, V),
+    }
+    gates = {"g": g, "gk": gk, "beta": beta, "erase": erase, "write": write}
+    for name, x in gates.items():
+        if x is not None:
+            _check_tensor(name, x, shape=gate_shapes[name], dtypes=INPUT_DTYPES,
+                          dtype_names=_DTYPE_NAMES, device=device)
+
+    if scale is None:
+        scale = K ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise ContractError("scale", "a finite real number or None", repr(scale))
+
+    if state_layout not in LAYOUTS:
+        raise ContractError("state_layout", " | ".join(repr(x) for x in LAYOUTS), repr(state_layout))
+    if cu_seqlens is not None and seq_lens is not None:
+        raise ContractError("seq_lens", "None when cu_seqlens is given", "both given")
+    spans = _spans(B, T, cu_seqlens, seq_lens, device)
+    N = len(spans)
+
+    state_tail = (Hv, K, V) if state_layout == "kv" else (Hv, V, K)
+    letters = "[{}, Hv, K, V]" if state_layout == "kv" else "[{}, Hv, V, K]"
+    if initial_state is not None:
+        _check_tensor("initial_state", initial_state, rank=4, dtypes=(torch.float32,),
+                      dtype_names="float32", device=device)
+        if tuple(initial_state.shape[1:]) != state_tail or (
+            state_indices is None and initial_state.shape[0] != N
+        ):
+            rows = "S" if state_indices is not None else str(N)
+            expected = letters.format(rows) + " = " + str([rows, *state_tail])
+            raise ContractError("initial_state", expected, tuple(initial_state.shape))
+    if state_indices is not None:
+        if initial_state is None:
+            raise ContractError("initial_state", "a state slab when state_indices is given", None)
+        slots = _slots(state_indices, N, initial_state.shape[0], device)
+        spans = tuple(Span(s.row, s.start, s.end, slot) for s, slot in zip(spans, slots))
+
+    for name, flag in (("qk_l2norm", qk_l2norm), ("beta_sigmoid", beta_sigmoid)):
+        if not isinstance(flag, bool):
+            raise ContractError(name, "a bool", repr(flag))
+    if isinstance(l2norm_eps, bool) or not isinstance(l2norm_eps, numbers.Real) or not (
+        math.isfinite(l2norm_eps) and l2norm_eps >= 0
+    ):
+        raise ContractError("l2norm_eps", "a finite number >= 0", repr(l2norm_eps))
+    if beta_sigmoid and rule not in DELTA_RULES:
+        raise ContractError("beta_sigmoid", f"False for rule {rule!r} (no beta)", True)
+    _check_raw_gate(A_log, dt_bias, g=g, gk=gk, Hv=Hv, K=K, device=device)
+
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+        raise ContractError("chunk_size", "an int >= 1", repr(chunk_size))
+
+    return Problem(
+        q=q, k=k, v=v, rule=rule, g=g, gk=gk, beta=beta, erase=erase, write=write,
+        scale=float(scale), initial_state=initial_state, state_layout=state_layout,
+        spans=spans, in_place=state_indices is not None,
+        varlen=cu_seqlens is not None or seq_lens is not None,
+        qk_l2norm=qk_l2norm, l2norm_eps=float(l2norm_eps), A_log=A_log, dt_bias=dt_bias,
+        beta_sigmoid=beta_sigmoid, chunk_size=int(chunk_size),
+    )
+
+
+def _check_tensor(name, x, *, rank=None, shape=None, dtypes, dtype_names, device=None):
+    if not isinstance(x, torch.Tensor):
+        raise ContractError(name, "a torch.Tensor", type(x).__name__)
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ContractError(name, f"shape {list(shape)}", list(x.shape))
+    if rank is not None and x.dim() != rank:
+        raise ContractError(name, f"a rank-{rank} tensor", f"shape {list(x.shape)}")
+    if x.dtype not in dtypes:
+        raise ContractError(name, f"dtype {dtype_names}", x.dtype)
+    if device is not None:
+        _check_device(name, x, device)
+
+
+def _check_device(name, x, device):
+    if x.device != device:
+        raise ContractError(name, f"device {device} (q's)", x.device)
+
+
+def _check_presence(rule, *, g, gk, beta, erase, write):
+    has_decay = g is not None or gk is not None
+    if rule in GATED_RULES and not has_decay:
+        raise ContractError("g", f"g and/or gk for rule {rule!r}", "neither")
+    if rule not in GATED_RULES:
+        for name, x in (("g", g), ("gk", gk)):
+            if x is not None:
+                raise ContractError(name, f"None for rule {rule!r} (no decay)", "a tensor")
+    if rule in DELTA_RULES:
+        if beta is not None and (erase is not None or write is not None):
+            raise ContractError("beta", "None when erase / write are given", "a tensor")
+        if beta is None and (erase is None) != (write is None):
+            missing = "write" if write is None else "erase"
+            raise ContractError(missing, "erase and write together", f"{missing} = None")
+        if beta is None and erase is None:
+            raise ContractError("beta", f"beta, or erase and write, for rule {rule!r}", "none")
+    else:
+        for name, x in (("beta", beta), ("erase", erase), ("write", write)):
+            if x is not None:
+                raise ContractError(name, f"None for rule {rule!r} (no retrieval)", "a tensor")
+
+
+def _host_ints(name, x, length, device):
+    """A 1-D integer tensor's values on the host, with the length checked."""
+    if not isinstance(x, torch.Tensor):
+        raise ContractError(name, "a torch.Tensor", type(x).__name__)
+    if x.dtype not in _INT_DTYPES:
+        raise ContractError(name, "dtype int32 or int64", x.dtype)
+    if x.dim() != 1 or (length is not None and x.shape[0] != length):
+        expected = f"shape [{length}]" if length is not None else "a rank-1 tensor"
+        raise ContractError(name, expected, f"shape {list(x.shape)}")
+    _check_device(name, x, device)
+    return x.tolist()
+
+
+def _spans(B, T, cu_seqlens, seq_lens, device):
+    if cu_seqlens is not None:
+        offsets = _host_ints("cu_seqlens", cu_seqlens, None, device)
+        if len(offsets) < 1:
+            raise ContractError("cu_seqlens", "[N + 1] offsets, N + 1 >= 1", "shape [0]")
+        if B != 1:
+            raise ContractError("q", "B == 1 with cu_seqlens", f"B = {B}")
+        clamped = [min(max(x, 0), T) for x in offsets]
+        return tuple(
+            Span(0, s, max(s, e), n) for n, (s, e) in enumerate(zip(clamped[:-1], clamped[1:]))
+        )
+    if seq_lens is not None:
+        lengths = _host_ints("seq_lens", seq_lens, B, device)
+        for b, n in enumerate(lengths):
+            if not 0 <= n <= T:
+                raise ContractError(f"seq_lens[{b}]", f"a length in [0, {T}]", n)
+        return tuple(Span(b, 0, n, b) for b, n in enumerate(lengths))
+    return tuple(Span(b, 0, T, b) for b in range(B))
+
+
+def _slots(state_indices, N, num_slots, device):
+    slots = _host_ints("state_indices", state_indices, N, device)
+    seen = set()
+    for n, s in enumerate(slots):
+        if s >= num_slots:
+            raise ContractError(f"state_indices[{n}]", f"a slab row < {num_slots} (or < 0 for padding)", s)
+        if s >= 0 and s in seen:
+            raise ContractError(f"state_indices[{n}]", "distinct slab rows", f"{s} repeated")
+        seen.add(s)
+    return slots
+
+
+def _check_raw_gate(A_log, dt_bias, *, g, gk, Hv, K, device):
+    if A_log is None and dt_bias is None:
+        return
+    if A_log is None or dt_bias is None:
+        missing = "dt_bias" if dt_bias is None else "A_log"
+        raise ContractError(missing, "A_log and dt_bias together", f"{missing} = None")
+    if g is not None and gk is not None:
+        raise ContractError("A_log", "None when both g and gk are given (ambiguous raw gate)", "a tensor")
+    if g is None and gk is None:
+        raise ContractError("A_log", "None without a decay gate g or gk", "a tensor")
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    _check_tensor("A_log", A_log, shape=(Hv,), dtypes=floats, dtype_names=_DTYPE_NAMES, device=device)
+    bias_shape = (Hv,) if g is not None else (Hv, K)
+    _check_tensor("dt_bias", dt_bias, shape=bias_shape, dtypes=floats, dtype_names=_DTYPE_NAMES, device=device)

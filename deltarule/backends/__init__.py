@@ -1,0 +1,49 @@
+"""Backend registry and `backend="auto"` dispatch.
+
+A backend module has NAME, DESCRIPTION, available() -> bool,
+supports(problem) -> None or the reason it declines, and run(problem).
+"""
+
+from __future__ import annotations
+
+from ..errors import ContractError, Unsupported
+from ..problem import Problem
+from . import reference_backend, torch_backend
+
+# Fastest first: "auto" takes the first available backend that accepts the call.
+REGISTRY = {m.NAME: m for m in (torch_backend, reference_backend)}
+AUTO_ORDER = ("torch", "reference")
+
+
+def names() -> tuple[str, ...]:
+    return tuple(REGISTRY)
+
+
+def info() -> list[dict]:
+    """One entry per backend: name, description, whether it is available here."""
+    return [
+        {"name": m.NAME, "description": m.DESCRIPTION, "available": m.available()}
+        for m in REGISTRY.values()
+    ]
+
+
+def dispatch(p: Problem, backend: str):
+    if backend == "auto":
+        reasons = []
+        for name in AUTO_ORDER:
+            m = REGISTRY[name]
+            reason = "not available on this machine" if not m.available() else m.supports(p)
+            if reason is None:
+                try:
+                    return m.run(p)
+                except Unsupported as e:
+                    reason = str(e)
+            reasons.append(f"{name}: {reason}")
+        raise Unsupported("no backend accepts this call: " + "; ".join(reasons))
+    if backend not in REGISTRY:
+        raise ContractError("backend", "'auto' or one of " + ", ".join(map(repr, REGISTRY)), repr(backend))
+    m = REGISTRY[backend]
+    reason = "not available on this machine" if not m.available() else m.supports(p)
+    if reason is not None:
+        raise Unsupported(f"backend {backend!r} declines this call: {reason}")
+    return m.run(p)

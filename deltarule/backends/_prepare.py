@@ -1,0 +1,167 @@
+"""Shared torch preparation: gates in float32, sequence packing, state gather/scatter.
+
+Every torch-based backend turns a `Problem` into the same sequence-major float32
+operands, runs its kernels, then hands the results back through `finish`:
+
+    q [N, Hv, G, L, K]   k [N, Hv, L, K]   v [N, Hv, L, V]
+    lam  None | [N, Hv, L] | [N, Hv, L, K]    log decay (g + gk, raw arm applied)
+    b    None | [N, Hv, L] | [N, Hv, L, K]    erase gate (scalar beta: [N, Hv, L])
+    w    None | [N, Hv, L] | [N, Hv, L, V]    write gate
+    S0   [N, Hv, K, V] float32 K-major
+
+Tokens past a sequence's length are identity steps (k = 0, lam = 0, all else 0),
+so the state after L padded steps is the state after the sequence's last token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..problem import Problem
+
+
+@dataclass
+class Operands:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    lam: torch.Tensor | None
+    b: torch.Tensor | None
+    w: torch.Tensor | None
+    S0: torch.Tensor
+
+
+@dataclass
+class Packing:
+    """Where each sequence's tokens live in the [B*T] flat token axis.
+
+    `gather` [N, L] flat token index (0 where masked), `valid` [N, L] bool;
+    `src` / `dst`: flat [N*L] positions to copy into flat [B*T] output tokens
+    (the later sequence wins where clamped spans overlap; padding sequences
+    and masked steps are left out). `identity` means sequences are the rows.
+    """
+
+    L: int
+    identity: bool
+    gather: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    src: torch.Tensor | None = None
+    dst: torch.Tensor | None = None
+
+
+def pack(p: Problem) -> Packing:
+    L = p.max_len
+    if not p.varlen and all(s.slot >= 0 for s in p.spans):
+        return Packing(L=L, identity=True)
+    N, T = p.N, p.T
+    gather = np.zeros((N, max(L, 0)), dtype=np.int64)
+    valid = np.zeros((N, L), dtype=bool)
+    owner = np.full(p.B * T, -1, dtype=np.int64)           # flat [N*L] source of each output token
+    for n, s in enumerate(p.spans):
+        base = s.row * T + s.start
+        gather[n, : s.length] = np.arange(base, base + s.length)
+        valid[n, : s.length] = True
+        if s.slot >= 0:
+            owner[base : base + s.length] = n * L + np.arange(s.length)
+    dst = np.nonzero(owner >= 0)[0]
+    dev = p.device
+    as_t = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
+    return Packing(L=L, identity=False, gather=as_t(gather), valid=as_t(valid),
+                   src=as_t(owner[dst]), dst=as_t(dst))
+
+
+def _to_sequences(x: torch.Tensor, pk: Packing, B: int, T: int) -> torch.Tensor:
+    """[B, T, H, ...] -> [N, H, L, ...] with masked steps zeroed."""
+    if not pk.identity:
+        flat = x.reshape(B * T, *x.shape[2:])
+        x = flat[pk.gather]
+        x = x.masked_fill(~pk.valid.view(*pk.valid.shape, *([1] * (x.dim() - 2))), 0)
+    return x.transpose(1, 2)
+
+
+def _log_decay(p: Problem) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    f32 = torch.float32
+    g = None if p.g is None else p.g.to(f32)
+    gk = None if p.gk is None else p.gk.to(f32)
+    if p.A_log is not None:
+        rate = -torch.exp(p.A_log.to(f32))
+        if g is not None:
+            g = rate * F.softplus(g + p.dt_bias.to(f32))
+        else:
+            gk = rate[:, None] * F.softplus(gk + p.dt_bias.to(f32))
+    return g, gk
+
+
+def operands(p: Problem, pk: Packing) -> Operands:
+    f32 = torch.float32
+    q, k = p.q.to(f32), p.k.to(f32)
+    if p.qk_l2norm:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + p.l2norm_eps)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + p.l2norm_eps)
+    Hv, G = p.Hv, p.G
+    if p.Hk != Hv:                                      # GVA: each key head serves Hv/Hk value heads
+        k = k.repeat_interleave(Hv // p.Hk, dim=2)
+        q = q.repeat_interleave(Hv // p.Hk, dim=2)
+    q = q.reshape(p.B, p.T, Hv, G * p.K)                # GQA: G query heads per state head
+    seq = lambda x: None if x is None else _to_sequences(x, pk, p.B, p.T)  # noqa: E731
+
+    g, gk = _log_decay(p)
+    lam = gk if g is None else (g if gk is None else gk + g[..., None])
+    b = w = None
+    if p.retrieves:
+        act = torch.sigmoid if p.beta_sigmoid else (lambda x: x)
+        if p.beta is not None:
+            b = w = act(p.beta.to(f32))
+        else:
+            b, w = act(p.erase.to(f32)), act(p.write.to(f32))
+    qs = seq(q)
+    N, _, L, _ = qs.shape
+    qs = qs.reshape(N, Hv, L, G, p.K).transpose(2, 3)
+    bs = seq(b)
+    return Operands(q=qs, k=seq(k), v=seq(p.v.to(f32)), lam=seq(lam), b=bs,
+                    w=bs if w is b else seq(w), S0=initial_states(p))
+
+
+def initial_states(p: Problem) -> torch.Tensor:
+    """[N, Hv, K, V] float32 K-major starting states (zeros for padding / no state)."""
+    shape = (p.N, p.Hv, p.K, p.V)
+    if p.initial_state is None:
+        return torch.zeros(shape, dtype=torch.float32, device=p.device)
+    init = p.initial_state
+    if p.state_layout == "vk":
+        init = init.transpose(-1, -2)
+    if not p.in_place:
+        return init.clone(memory_format=torch.contiguous_format)
+    slots = torch.tensor([max(s.slot, 0) for s in p.spans], dtype=torch.int64, device=p.device)
+    S0 = init.index_select(0, slots).contiguous()
+    pad = torch.tensor([s.slot < 0 for s in p.spans], device=p.device)
+    return S0.masked_fill(pad.view(-1, 1, 1, 1), 0.0)
+
+
+def finish(p: Problem, pk: Packing, o: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel results -> the API's (o [B,T,Ho,V] in v's dtype, state in layout).
+
+    `o` is [N, Hv, G, L, V] float32; `S` [N, Hv, K, V] float32 K-major. With a
+    slab, writes the non-padding rows in place and returns the slab.
+    """
+    N, Hv, G, L, V = o.shape
+    o = o.permute(0, 3, 1, 2, 4).reshape(N, L, p.Ho, V)
+    if not pk.identity:
+        flat = o.new_zeros(p.B * p.T, p.Ho, V)
+        flat[pk.dst] = o.reshape(N * L, p.Ho, V)[pk.src]
+        o = flat.view(p.B, p.T, p.Ho, V)
+    o = o.to(p.v.dtype)
+    state = S.transpose(-1, -2) if p.state_layout == "vk" else S
+    if not p.in_place:
+        return o, state.contiguous()
+    slab = p.initial_state
+    keep = [n for n, s in enumerate(p.spans) if s.slot >= 0]
+    if keep:
+        rows = torch.tensor(keep, dtype=torch.int64, device=p.device)
+        slots = torch.tensor([p.spans[n].slot for n in keep], dtype=torch.int64, device=p.device)
+        slab.index_copy_(0, slots, state.index_select(0, rows))
+    return o, slab

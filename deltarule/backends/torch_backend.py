@@ -1,0 +1,35 @@
+"""The `torch` backend: chunked prefill plus a recurrent path, in torch ops, on any device."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.chunked import chunked
+from ..kernels.recurrent import recurrent
+from ..problem import Problem
+from . import _prepare
+
+NAME = "torch"
+DESCRIPTION = "chunked (WY/UT) prefill + recurrent decode in torch ops"
+# Sequences up to this many tokens run token by token: below it the chunked
+# form's intra-chunk work costs more than it saves (measured in docs/performance.md).
+RECURRENT_MAX_LEN = 16
+
+
+def available() -> bool:
+    return True
+
+
+def supports(p: Problem) -> str | None:
+    """None: every valid call runs here, on any torch device."""
+    return None
+
+
+def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    pk = _prepare.pack(p)
+    x = _prepare.operands(p, pk)
+    if pk.L <= RECURRENT_MAX_LEN:
+        o, S = recurrent(x.q, x.k, x.v, x.lam, x.b, x.w, x.S0, p.scale)
+    else:
+        o, S = chunked(x.q, x.k, x.v, x.lam, x.b, x.w, x.S0, p.scale, p.chunk_size)
+    return _prepare.finish(p, pk, o, S)
