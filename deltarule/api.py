@@ -66,7 +66,8 @@ def linear_attention(
             or are a multiple of Hv == Hk (query head j reads state head
             j // (Hq // Hv), "GQA").
         rule: "linear" | "gated" | "delta" | "gated_delta" (default).
-        g: [B, T, Hv] scalar log-space decay (natural log), any float dtype.
+        g: [B, T, Hv] scalar log-space decay (natural log), float32 (preferred),
+            float16 or bfloat16; the gates are used in float32.
             Present (alone or with `gk`) exactly for "gated" / "gated_delta".
         gk: [B, T, Hv, K] per-key log-space decay (KDA). May come with `g`.
         beta: [B, T, Hv] erase = write rate. Exactly one of `beta` or the pair
@@ -91,7 +92,7 @@ def linear_attention(
         qk_l2norm: L2-normalise q and k per head in float32:
             x * rsqrt(sum(x^2) + l2norm_eps).
         l2norm_eps: default 1e-6.
-        A_log: [Hv] float; with `dt_bias`, `g` (or `gk`) is the raw gate
+        A_log: [Hv] float32 / float16 / bfloat16; with `dt_bias`, `g` (or `gk`) is the raw gate
             projection and the decay is -exp(A_log) * softplus(g + dt_bias),
             formed in float32.
         dt_bias: [Hv] beside `g`, or [Hv, K] beside `gk`.
@@ -179,7 +180,7 @@ def validate(
 
     if scale is None:
         scale = K ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+    if not _finite_real(scale):
         raise ContractError("scale", "a finite real number or None", repr(scale))
 
     if state_layout not in LAYOUTS:
@@ -209,9 +210,7 @@ def validate(
     for name, flag in (("qk_l2norm", qk_l2norm), ("beta_sigmoid", beta_sigmoid)):
         if not isinstance(flag, bool):
             raise ContractError(name, "a bool", repr(flag))
-    if isinstance(l2norm_eps, bool) or not isinstance(l2norm_eps, numbers.Real) or not (
-        math.isfinite(l2norm_eps) and l2norm_eps >= 0
-    ):
+    if not _finite_real(l2norm_eps) or l2norm_eps < 0:
         raise ContractError("l2norm_eps", "a finite number >= 0", repr(l2norm_eps))
     if beta_sigmoid and rule not in DELTA_RULES:
         raise ContractError("beta_sigmoid", f"False for rule {rule!r} (no beta)", True)
@@ -228,6 +227,15 @@ def validate(
         qk_l2norm=qk_l2norm, l2norm_eps=float(l2norm_eps), A_log=A_log, dt_bias=dt_bias,
         beta_sigmoid=beta_sigmoid, chunk_size=int(chunk_size),
     )
+
+
+def _finite_real(x) -> bool:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:                          # an int beyond float range
+        return False
 
 
 def _check_tensor(name, x, *, rank=None, shape=None, dtypes, dtype_names, device=None):
@@ -289,7 +297,7 @@ def _spans(B, T, cu_seqlens, seq_lens, device):
         if len(offsets) < 1:
             raise ContractError("cu_seqlens", "[N + 1] offsets, N + 1 >= 1", "shape [0]")
         if B != 1:
-            raise ContractError("q", "B == 1 with cu_seqlens", f"B = {B}")
+            raise ContractError("cu_seqlens", "B == 1 (q [1, T, Hq, K]) with cu_seqlens", f"B = {B}")
         clamped = [min(max(x, 0), T) for x in offsets]
         return tuple(
             Span(0, s, max(s, e), n) for n, (s, e) in enumerate(zip(clamped[:-1], clamped[1:]))

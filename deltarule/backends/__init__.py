@@ -28,7 +28,7 @@ def info() -> list[dict]:
 
 
 def dispatch(p: Problem, backend: str):
-    if backend == "auto":
+    if isinstance(backend, str) and backend == "auto":
         reasons = []
         for name in AUTO_ORDER:
             m = REGISTRY[name]
@@ -40,7 +40,7 @@ def dispatch(p: Problem, backend: str):
                     reason = str(e)
             reasons.append(f"{name}: {reason}")
         raise Unsupported("no backend accepts this call: " + "; ".join(reasons))
-    if backend not in REGISTRY:
+    if not isinstance(backend, str) or backend not in REGISTRY:
         raise ContractError("backend", "'auto' or one of " + ", ".join(map(repr, REGISTRY)), repr(backend))
     m = REGISTRY[backend]
     reason = "not available on this machine" if not m.available() else m.supports(p)

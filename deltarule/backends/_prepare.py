@@ -3,10 +3,10 @@
 Every torch-based backend turns a `Problem` into the same sequence-major float32
 operands, runs its kernels, then hands the results back through `finish`:
 
-    q [N, Hv, G, L, K]   k [N, Hv, L, K]   v [N, Hv, L, V]
-    lam  None | [N, Hv, L] | [N, Hv, L, K]    log decay (g + gk, raw arm applied)
-    b    None | [N, Hv, L] | [N, Hv, L, K]    erase gate (scalar beta: [N, Hv, L])
-    w    None | [N, Hv, L] | [N, Hv, L, V]    write gate
+    q [N, L, Hv, G, K]   k [N, L, Hv, K]   v [N, L, Hv, V]      (token-major)
+    lam  None | [N, L, Hv] | [N, L, Hv, K]    log decay (g + gk, raw arm applied)
+    b    None | [N, L, Hv] | [N, L, Hv, K]    erase gate (scalar beta: [N, L, Hv])
+    w    None | [N, L, Hv] | [N, L, Hv, V]    write gate
     S0   [N, Hv, K, V] float32 K-major
 
 Tokens past a sequence's length are identity steps (k = 0, lam = 0, all else 0),
@@ -75,12 +75,12 @@ def pack(p: Problem) -> Packing:
 
 
 def _to_sequences(x: torch.Tensor, pk: Packing, B: int, T: int) -> torch.Tensor:
-    """[B, T, H, ...] -> [N, H, L, ...] with masked steps zeroed."""
-    if not pk.identity:
-        flat = x.reshape(B * T, *x.shape[2:])
-        x = flat[pk.gather]
-        x = x.masked_fill(~pk.valid.view(*pk.valid.shape, *([1] * (x.dim() - 2))), 0)
-    return x.transpose(1, 2)
+    """[B, T, H, ...] -> [N, L, H, ...] with masked steps zeroed."""
+    if pk.identity:
+        return x
+    flat = x.reshape(B * T, *x.shape[2:])
+    x = flat[pk.gather]
+    return x.masked_fill(~pk.valid.view(*pk.valid.shape, *([1] * (x.dim() - 2))), 0)
 
 
 def _log_decay(p: Problem) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -119,8 +119,7 @@ def operands(p: Problem, pk: Packing) -> Operands:
         else:
             b, w = act(p.erase.to(f32)), act(p.write.to(f32))
     qs = seq(q)
-    N, _, L, _ = qs.shape
-    qs = qs.reshape(N, Hv, L, G, p.K).transpose(2, 3)
+    qs = qs.view(*qs.shape[:3], G, p.K)
     bs = seq(b)
     return Operands(q=qs, k=seq(k), v=seq(p.v.to(f32)), lam=seq(lam), b=bs,
                     w=bs if w is b else seq(w), S0=initial_states(p))
@@ -145,11 +144,11 @@ def initial_states(p: Problem) -> torch.Tensor:
 def finish(p: Problem, pk: Packing, o: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel results -> the API's (o [B,T,Ho,V] in v's dtype, state in layout).
 
-    `o` is [N, Hv, G, L, V] float32; `S` [N, Hv, K, V] float32 K-major. With a
+    `o` is [N, L, Hv, G, V] float32; `S` [N, Hv, K, V] float32 K-major. With a
     slab, writes the non-padding rows in place and returns the slab.
     """
-    N, Hv, G, L, V = o.shape
-    o = o.permute(0, 3, 1, 2, 4).reshape(N, L, p.Ho, V)
+    N, L, Hv, G, V = o.shape
+    o = o.reshape(N, L, p.Ho, V)
     if not pk.identity:
         flat = o.new_zeros(p.B * p.T, p.Ho, V)
         flat[pk.dst] = o.reshape(N * L, p.Ho, V)[pk.src]

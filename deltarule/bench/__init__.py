@@ -1,0 +1,248 @@
+"""`deltarule bench`: time bench.json cases beside the peers installed here.
+
+Each selected case is built once by `deltarule.cases.make_inputs`; deltarule
+(`linear_attention(**inputs, backend=...)`) and every peer that can express
+the case run on those same inputs: one untimed warm-up, then timed repeats
+within a time budget, reporting the median. Each peer's warm-up output and
+final state are checked against deltarule's outside the timing, so a ratio
+is only printed beside a statement of whether both computed the same thing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+from importlib import metadata
+
+import torch
+
+from .. import ContractError, Unsupported, __version__, linear_attention
+from ..backends import names as backend_names
+from ..cases import DTYPES, bench_cases, make_inputs
+from . import report
+from .peers import PEERS, Skip
+from .timing import measure
+
+# Relative error ||peer - deltarule|| / ||deltarule|| above which a peer is
+# flagged as computing something else (outputs and final state).
+TOLERANCE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 1e-2}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `deltarule bench`."""
+    parser.add_argument("--case", action="append", metavar="NAME",
+                        help="a case name, or a substring of names (repeatable); default: every "
+                             "case except the tiny smoke cases")
+    parser.add_argument("--backend", default="auto", choices=("auto", *backend_names()),
+                        help="deltarule backend (default auto)")
+    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
+                        help="q, k, v and gate dtype (default float32; the state is float32)")
+    parser.add_argument("--quick", action="store_true",
+                        help="only the cases marked quick (a few minutes on 2 cores)")
+    parser.add_argument("--repeat", type=_positive(int), default=5, metavar="N",
+                        help="at most N timed calls per implementation and case (default 5)")
+    parser.add_argument("--budget", type=_positive(float), default=2.0, metavar="SECONDS",
+                        help="stop repeating once this much time is spent (default 2; "
+                             "at least one timed call always runs)")
+    parser.add_argument("--plot", metavar="FILE.png", help="save a bar chart of the times")
+    parser.add_argument("--json", metavar="FILE", help="write machine-readable results")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark; print the table; write the JSON and plot if asked."""
+    try:
+        cases = select_cases(bench_cases(), args.case, args.quick)
+    except ValueError as e:
+        print(f"deltarule bench: {e}", file=sys.stderr)
+        return 2
+    peer_names = [p.name for p in PEERS]
+    results = run(cases, args)
+    meta = _meta(args)
+    print(report.table(results, meta, peer_names))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=2)
+            f.write("\n")
+    if args.plot:
+        from .plot import plot
+
+        title = f"deltarule bench ({meta['dtype']}, torch {meta['torch']}, {meta['threads']} threads)"
+        plot(results, peer_names, args.plot, title)
+    return 0
+
+
+def select_cases(cases: list[dict], patterns: list[str] | None, quick: bool) -> list[dict]:
+    """The cases to run, in file order.
+
+    A pattern selects the case of that exact name, else every case whose
+    name contains it; each pattern must select something. Without patterns,
+    every case but the smoke cases. `quick` keeps the cases marked quick.
+    """
+    if patterns:
+        chosen = set()
+        for pattern in patterns:
+            exact = [c["name"] for c in cases if c["name"] == pattern]
+            found = exact or [c["name"] for c in cases if pattern in c["name"]]
+            if not found:
+                raise ValueError(f"no bench case matches {pattern!r}")
+            chosen.update(found)
+        selected = [c for c in cases if c["name"] in chosen]
+    else:
+        selected = [c for c in cases if not c.get("smoke", False)]
+    if quick:
+        selected = [c for c in selected if c.get("quick", False)]
+    if not selected:
+        raise ValueError("no bench case selected")
+    return selected
+
+
+def run(cases: list[dict], args: argparse.Namespace) -> list[dict]:
+    """Time every case; one result dict per case (see `run_case`)."""
+    absent = {p.name: p.absent() for p in PEERS}
+    progress = _Progress(len(cases))
+    try:
+        results = []
+        for case in cases:
+            results.append(run_case(case, args, absent, progress))
+            progress.advance()
+            gc.collect()
+        return results
+    finally:
+        progress.close()
+
+
+def run_case(case: dict, args: argparse.Namespace, absent: dict, progress: "_Progress") -> dict:
+    """{"case": case, "deltarule": entry, "peers": {name: entry}} for one case.
+
+    An entry has "status" ("ok", "skipped" or "error"); an "ok" entry has
+    median_ms and samples_ms, a peer's also ratio, rel_err, match and note;
+    the others have a one-line "reason".
+    """
+    inputs = make_inputs(case, args.dtype)
+    progress.show(f"{case['name']}: deltarule")
+    entry, reference = _time_deltarule(case, inputs, args)
+    peers = {}
+    for peer in PEERS:
+        progress.show(f"{case['name']}: {peer.name}")
+        if absent[peer.name]:
+            peers[peer.name] = _skipped(absent[peer.name])
+        elif reference is None:
+            peers[peer.name] = _skipped("deltarule did not run, nothing to compare")
+        else:
+            peers[peer.name] = _time_peer(peer, case, inputs, reference, entry["median_ms"], args)
+    return {"case": case, "deltarule": entry, "peers": peers}
+
+
+def _time_deltarule(case: dict, inputs: dict, args) -> tuple[dict, tuple | None]:
+    """deltarule's entry and its warm-up (output, state), or None if it failed."""
+    try:
+        timing = measure(lambda: linear_attention(**inputs, backend=args.backend),
+                         args.repeat, args.budget)
+    except (ContractError, Unsupported, RuntimeError, MemoryError) as e:
+        return {"status": "error", "reason": _one_line(e)}, None
+    entry = {"status": "ok", "median_ms": timing.median * 1e3,
+             "samples_ms": [s * 1e3 for s in timing.samples]}
+    entry.update(report.throughput(case, timing.median))
+    return entry, timing.result
+
+
+def _time_peer(peer, case: dict, inputs: dict, reference: tuple, dr_ms: float, args) -> dict:
+    """A peer's entry: skipped with its reason, failed, or timed and checked."""
+    try:
+        prepared = peer.prepare(case, inputs)
+    except Skip as e:
+        return _skipped(str(e))
+    try:
+        timing = measure(prepared.run, args.repeat, args.budget)
+        got = prepared.unpack(timing.result)
+    except Exception as e:  # a peer's failure is reported, not fatal
+        return {"status": "error", "reason": _one_line(e)}
+    shapes = [(tuple(a.shape), tuple(b.shape)) for a, b in zip(got, reference)]
+    if any(a != b for a, b in shapes):
+        return {"status": "error", "reason": f"shapes (output, state) {shapes[0][0]}, {shapes[1][0]} "
+                                             f"!= deltarule's {shapes[0][1]}, {shapes[1][1]}"}
+    err = rel_error(got, reference)
+    return {
+        "status": "ok", "median_ms": timing.median * 1e3,
+        "samples_ms": [s * 1e3 for s in timing.samples],
+        "ratio": timing.median * 1e3 / dr_ms, "rel_err": err if math.isfinite(err) else None,
+        "match": err <= TOLERANCE[args.dtype], "note": prepared.note,
+    }
+
+
+def rel_error(got: tuple, want: tuple) -> float:
+    """max over same-shaped (output, state) of ||got - want|| / ||want||, in float64.
+
+    NaN or infinity anywhere gives a non-finite result.
+    """
+    errors = [((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+              for a, b in zip(got, want)]
+    return math.nan if any(math.isnan(e) for e in errors) else max(errors)
+
+
+def _skipped(reason: str) -> dict:
+    return {"status": "skipped", "reason": reason}
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:160] if text else ''}"
+
+
+def _meta(args) -> dict:
+    return {
+        "deltarule": __version__, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "dtype": args.dtype, "backend": args.backend,
+        "peers": {n: _version(n) for n in ("transformers", "onnxruntime")},
+        "legends": [p.legend for p in PEERS],
+        "flop_model": report.FLOP_MODEL, "bytes_model": report.BYTES_MODEL,
+        "ratio": report.RATIO_NOTE,
+    }
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0: {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+class _Progress:
+    """A tqdm bar over cases on stderr, or plain progress lines without tqdm."""
+
+    def __init__(self, total: int):
+        self._total, self._done = total, 0
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self._bar = None
+        else:
+            self._bar = tqdm(total=total, unit="case", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+    def show(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.set_description_str(text)
+        else:
+            print(f"[{self._done + 1}/{self._total}] {text}", file=sys.stderr, flush=True)
+
+    def advance(self) -> None:
+        self._done += 1
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

@@ -1,0 +1,290 @@
+"""Other implementations timed beside deltarule on the same inputs.
+
+A peer has a `name`, a `legend` (what it runs, for the table footer),
+`absent()` (None, or why it cannot run on this machine at all) and
+`prepare(case, inputs)`, which does every untimed set-up step and returns a
+`Prepared` call, or raises `Skip` with a one-line reason when the peer cannot
+express the case. `inputs` are the keyword arguments of
+`deltarule.linear_attention` built by `deltarule.cases.make_inputs`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import os
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Callable
+
+import torch
+
+DEFAULT_L2NORM_EPS = 1e-6  # what both transformers functions hard-code
+ORT_MIN_VERSION = (1, 32)
+
+
+class Skip(Exception):
+    """The peer cannot run this case; the message says why, in one line."""
+
+
+@dataclass
+class Prepared:
+    """A ready-to-time call and how to read its result.
+
+    `run()` is the timed call; `unpack(run())` gives (output [B, T, H, V],
+    final state [N, Hv, K, V]) as torch tensors for the correctness check.
+    `note` says how the peer's inputs differ in form from deltarule's.
+    """
+
+    run: Callable[[], Any]
+    unpack: Callable[[Any], tuple[torch.Tensor, torch.Tensor]]
+    note: str | None = None
+
+
+def _shared_limits(inputs: dict) -> str | None:
+    """Features of the deltarule contract that no peer here expresses."""
+    if "cu_seqlens" in inputs or "seq_lens" in inputs:
+        return "varlen (cu_seqlens / seq_lens) not supported"
+    if "state_indices" in inputs:
+        return "state slab (state_indices) not supported"
+    if inputs.get("state_layout", "kv") != "kv":
+        return "state layout 'vk' not supported"
+    if "A_log" in inputs:
+        return "raw-gate arm (A_log, dt_bias) not supported"
+    if inputs.get("beta_sigmoid", False):
+        return "in-kernel beta sigmoid not supported"
+    if "g" in inputs and "gk" in inputs:
+        return "scalar g together with per-key gk not supported"
+    return None
+
+
+def _heads(inputs: dict) -> tuple[int, int, int]:
+    return inputs["q"].shape[2], inputs["k"].shape[2], inputs["v"].shape[2]
+
+
+def _default_scale(inputs: dict) -> bool:
+    scale = inputs.get("scale")
+    return scale is None or math.isclose(scale, inputs["q"].shape[-1] ** -0.5)
+
+
+class TransformersPeer:
+    """transformers' pure-torch gated delta rule functions (no hub kernels)."""
+
+    name = "transformers"
+    legend = (
+        "transformers: qwen3_next torch_chunk_gated_delta_rule (prefill) / "
+        "torch_recurrent_gated_delta_rule (decode) for scalar g; kimi_linear "
+        "chunk_kimi_delta_attention / recurrent_kimi_delta_attention for per-key gk "
+        "(the undecorated torch functions: no hub kernel, no network)"
+    )
+    # Peak memory of the KDA chunk function, in units of its [B, H, T, C, K]
+    # float32 decay mask (measured: ~13.6 GB at H = 32, T = 4096, C = 64, K = 128).
+    KDA_PEAK_MASKS = 3.2
+
+    def absent(self) -> str | None:
+        try:
+            _transformers_function("qwen3_next", "torch_chunk_gated_delta_rule")
+        except Skip as e:
+            return str(e)
+        return None
+
+    def prepare(self, case: dict, inputs: dict) -> Prepared:
+        reason = _shared_limits(inputs) or self._limits(inputs)
+        if reason:
+            raise Skip(reason)
+        fn = self._function(case, inputs)
+        args = [inputs[n] for n in ("q", "k", "v")]
+        args += [inputs["gk"] if "gk" in inputs else inputs["g"], inputs["beta"]]
+        kwargs = {
+            "initial_state": inputs.get("initial_state"),
+            "output_final_state": True,
+            "use_qk_l2norm_in_kernel": inputs.get("qk_l2norm", False),
+        }
+        if case["kind"] == "prefill":
+            kwargs["chunk_size"] = inputs.get("chunk_size", 64)
+        return Prepared(run=lambda: fn(*args, **kwargs), unpack=lambda r: (r[0], r[1]))
+
+    @staticmethod
+    def _limits(inputs: dict) -> str | None:
+        Hq, Hk, Hv = _heads(inputs)
+        if inputs["rule"] != "gated_delta":
+            return f"rule {inputs['rule']!r} not supported (gated_delta only)"
+        if "beta" not in inputs:
+            return "erase / write gates (GDN-2) not supported (scalar beta only)"
+        if Hq != Hk:
+            return f"GQA queries (Hq = {Hq} > Hk = {Hk}) not supported"
+        if "gk" in inputs and Hk != Hv:
+            return f"KDA function has no GVA (Hk = {Hk} < Hv = {Hv})"
+        if not _default_scale(inputs):
+            return "custom scale not supported (always K ** -0.5)"
+        if inputs.get("qk_l2norm") and inputs.get("l2norm_eps", DEFAULT_L2NORM_EPS) != DEFAULT_L2NORM_EPS:
+            return f"l2norm_eps other than {DEFAULT_L2NORM_EPS} not supported"
+        return None
+
+    def _function(self, case: dict, inputs: dict) -> Callable:
+        prefill = case["kind"] == "prefill"
+        if "g" in inputs:
+            name = "torch_chunk_gated_delta_rule" if prefill else "torch_recurrent_gated_delta_rule"
+            return _transformers_function("qwen3_next", name)
+        if prefill:
+            self._check_kda_memory(inputs)
+        name = "chunk_kimi_delta_attention" if prefill else "recurrent_kimi_delta_attention"
+        return _transformers_function("kimi_linear", name)
+
+    def _check_kda_memory(self, inputs: dict) -> None:
+        B, T, H, K = inputs["k"].shape
+        C = inputs.get("chunk_size", 64)
+        need = self.KDA_PEAK_MASKS * B * H * (-(-T // C) * C) * C * K * 4
+        free = _available_memory()
+        if free is not None and need > 0.8 * free:
+            raise Skip(f"KDA chunk function would need ~{need / 2**30:.0f} GiB, "
+                       f"{free / 2**30:.0f} GiB available")
+
+
+@cache
+def _transformers_function(model: str, name: str) -> Callable:
+    """The plain torch function behind transformers' hub-kernel decorator.
+
+    `inspect.unwrap` follows `__wrapped__` past the decorator, so calling the
+    result never looks for a hub kernel or a package fallback, and never
+    touches the network.
+    """
+    try:
+        module = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
+    except ImportError as e:
+        raise Skip(f"not installed ({e})") from None
+    if not hasattr(module, name):
+        raise Skip(f"this transformers has no {model}.{name}")
+    return inspect.unwrap(getattr(module, name))
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes, or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+class OrtPeer:
+    """ONNX Runtime's com.microsoft.LinearAttention CPU kernel, one node."""
+
+    name = "onnxruntime"
+    legend = (
+        "onnxruntime: com.microsoft.LinearAttention (CPU EP), one-node model, "
+        "session built outside the timing, intra_op_num_threads = torch threads"
+    )
+    _ELEM = {torch.float32: "FLOAT", torch.float16: "FLOAT16"}
+
+    def absent(self) -> str | None:
+        try:
+            import onnx  # noqa: F401
+            import onnxruntime
+        except ImportError as e:
+            return f"not installed ({e})"
+        version = tuple(int(x) for x in onnxruntime.__version__.split(".")[:2])
+        if version < ORT_MIN_VERSION:
+            return f"onnxruntime {onnxruntime.__version__} < 1.32 (no LinearAttention CPU kernel)"
+        return None
+
+    def prepare(self, case: dict, inputs: dict) -> Prepared:
+        reason = _shared_limits(inputs) or self._limits(inputs)
+        if reason:
+            raise Skip(reason)
+        feeds, q_heads, note = self._feeds(inputs)
+        session = self._session(inputs, feeds, q_heads)
+        B, T = inputs["q"].shape[:2]
+        V = inputs["v"].shape[-1]
+
+        def unpack(result):
+            out, state = result
+            return torch.from_numpy(out).reshape(B, T, -1, V), torch.from_numpy(state)
+
+        return Prepared(run=lambda: session.run(None, feeds), unpack=unpack, note=note)
+
+    def _limits(self, inputs: dict) -> str | None:
+        if inputs["q"].dtype not in self._ELEM:
+            return f"no {inputs['q'].dtype} CPU kernel"
+        if "erase" in inputs:
+            return "erase / write gates (GDN-2) not supported (scalar beta only)"
+        if inputs.get("qk_l2norm"):
+            return "no in-kernel q/k L2 normalisation"
+        if inputs.get("scale") == 0:
+            return "scale 0 (the op reads 0 as the default scale)"
+        return None
+
+    @staticmethod
+    def _feeds(inputs: dict) -> tuple[dict, int, str | None]:
+        """The op's named inputs as numpy arrays (3-D packed [B, T, H * D]),
+        its query head count, and a note on any change of form.
+
+        The op's key needs H_kv (state) heads: for GVA (Hk < Hv) queries and
+        keys are repeated to Hv heads here, outside the timing.
+        """
+        q, k, v = inputs["q"], inputs["k"], inputs["v"]
+        B, T = q.shape[:2]
+        Hq, Hk, Hv = _heads(inputs)
+        note = None
+        if Hk < Hv:
+            q, k = (x.repeat_interleave(Hv // Hk, dim=2) for x in (q, k))
+            note = f"onnxruntime: q/k heads repeated {Hk} -> {Hv} (its key needs H_kv heads)"
+        feeds = {"query": q, "key": k, "value": v, "past_state": inputs.get("initial_state")}
+        if "g" in inputs:
+            feeds["decay"] = inputs["g"]
+        elif "gk" in inputs:
+            feeds["decay"] = inputs["gk"]
+        feeds["beta"] = inputs.get("beta")
+        packed = {"query", "key", "value", "decay"}
+        return {
+            n: (x.reshape(B, T, -1) if n in packed else x).contiguous().numpy()
+            for n, x in feeds.items() if x is not None
+        }, q.shape[2], note
+
+    @staticmethod
+    def _session(inputs: dict, feeds: dict, q_heads: int):
+        """An InferenceSession of a one-node com.microsoft.LinearAttention model."""
+        import onnxruntime
+        from onnx import TensorProto, helper
+
+        order = ("query", "key", "value", "past_state", "decay", "beta")
+        elem = getattr(TensorProto, OrtPeer._ELEM[inputs["q"].dtype])
+        K = inputs["q"].shape[-1]
+        scale = inputs.get("scale")
+
+        def info(name):
+            dtype = TensorProto.FLOAT if name == "past_state" else elem
+            return helper.make_tensor_value_info(name, dtype, list(feeds[name].shape))
+
+        node = helper.make_node(
+            "LinearAttention", [n if n in feeds else "" for n in order], ["output", "present_state"],
+            domain="com.microsoft", q_num_heads=q_heads, kv_num_heads=inputs["v"].shape[2],
+            update_rule=inputs["rule"], scale=float(K ** -0.5 if scale is None else scale),
+            chunk_size=int(inputs.get("chunk_size", 64)),
+        )
+        graph = helper.make_graph(
+            [node], "linear_attention", [info(n) for n in order if n in feeds],
+            [helper.make_tensor_value_info("output", elem, None),
+             helper.make_tensor_value_info("present_state", TensorProto.FLOAT, None)],
+        )
+        model = helper.make_model(graph, opset_imports=[
+            helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = torch.get_num_threads()
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        try:
+            return onnxruntime.InferenceSession(
+                model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        except Exception as e:  # ORT raises its own exception types
+            raise Skip(f"session not created: {str(e).splitlines()[0][:120]}") from None
+
+
+PEERS = (TransformersPeer(), OrtPeer())

@@ -1,0 +1,121 @@
+"""Work models (FLOPs, state bytes) and the printed results table."""
+
+from __future__ import annotations
+
+FLOP_MODEL = (
+    "GFLOP/s counts per token per state head: prefill, the chunked model "
+    "6*K*V + C*(5K+3V) + C^2/3 (C = chunk_size; ~165 kFLOP at K=V=128, C=64); "
+    "decode, the recurrent model 7*K*V (docs: ALGORITHM.md, last section)"
+)
+BYTES_MODEL = "GB/s (decode): state bytes read + written, 2*N*Hv*K*V*4 per token step"
+RATIO_NOTE = "ratio = peer time / deltarule time: >1 means deltarule is faster"
+
+
+def flops(case: dict) -> float:
+    """FLOPs of one call under the model quoted in FLOP_MODEL."""
+    K, V = case["K"], case["V"]
+    if case["kind"] == "decode":
+        per_token = 7 * K * V
+    else:
+        C = case.get("chunk_size", 64)
+        per_token = 6 * K * V + C * (5 * K + 3 * V) + C * C / 3
+    return case["B"] * case["T"] * case["Hv"] * per_token
+
+
+def state_bytes(case: dict) -> float:
+    """Bytes of float32 state read and written by one call, token by token."""
+    return 2 * case["B"] * case["Hv"] * case["K"] * case["V"] * 4 * case["T"]
+
+
+def throughput(case: dict, seconds: float) -> dict:
+    """tokens/s, GFLOP/s and (decode only) GB/s at a given time per call."""
+    return {
+        "tokens_per_s": case["B"] * case["T"] / seconds,
+        "gflop_per_s": flops(case) / seconds / 1e9,
+        "gb_per_s": state_bytes(case) / seconds / 1e9 if case["kind"] == "decode" else None,
+    }
+
+
+def table(results: list[dict], meta: dict, peers: list[str]) -> str:
+    """The results table with its header and footer, as one string."""
+    notes = _Footnotes()
+    header = ["case", "kind", "BxT", "Hq/Hk/Hv", "deltarule ms", "tok/s", "GFLOP/s", "GB/s"]
+    for name in peers:
+        header += [f"{name} ms", "ratio"]
+    header.append("check")
+    rows = [_row(r, peers, notes) for r in results]
+    lines = [
+        f"deltarule {meta['deltarule']} bench: torch {meta['torch']}, {meta['threads']} threads, "
+        f"dtype {meta['dtype']}, backend {meta['backend']}, "
+        + ", ".join(f"{n} {v}" for n, v in meta["peers"].items()),
+        f"times: median over timed repeats after one warm-up; {RATIO_NOTE}",
+        "",
+        *_align([header, *rows]),
+        "",
+        FLOP_MODEL,
+        BYTES_MODEL,
+        *meta["legends"],
+        *notes.lines(),
+    ]
+    return "\n".join(lines)
+
+
+def _row(result: dict, peers: list[str], notes: "_Footnotes") -> list[str]:
+    case = result["case"]
+    dr = result["deltarule"]
+    row = [case["name"], case["kind"], f"{case['B']}x{case['T']}", f"{case['Hq']}/{case['Hk']}/{case['Hv']}"]
+    if dr["status"] == "ok":
+        row += [_ms(dr["median_ms"]), _si(dr["tokens_per_s"]), f"{dr['gflop_per_s']:.3g}",
+                "-" if dr["gb_per_s"] is None else f"{dr['gb_per_s']:.3g}"]
+    else:
+        row += [f"err{notes.mark('deltarule: ' + dr['reason'])}", "-", "-", "-"]
+    mismatches = []
+    for name in peers:
+        p = result["peers"][name]
+        if p["status"] == "ok":
+            mark = notes.mark(p["note"]) if p.get("note") else ""
+            row += [_ms(p["median_ms"]) + mark, f"{p['ratio']:.3g}x"]
+            if not p["match"]:
+                err = "non-finite" if p["rel_err"] is None else f"{p['rel_err']:.1e}"
+                mismatches.append(f"{name} {err}")
+        else:
+            tag = "skip" if p["status"] == "skipped" else "err"
+            row += [tag + notes.mark(f"{name}: {p['reason']}"), "-"]
+    ran = any(result["peers"][n]["status"] == "ok" for n in peers)
+    row.append("MISMATCH " + ", ".join(mismatches) if mismatches else ("ok" if ran else "-"))
+    return row
+
+
+class _Footnotes:
+    """Numbered, deduplicated footnotes for skip reasons and notes."""
+
+    def __init__(self):
+        self._texts: list[str] = []
+
+    def mark(self, text: str) -> str:
+        if text not in self._texts:
+            self._texts.append(text)
+        return f"[{self._texts.index(text) + 1}]"
+
+    def lines(self) -> list[str]:
+        return [f"[{i}] {t}" for i, t in enumerate(self._texts, 1)]
+
+
+def _align(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    left = {0, 1}
+    return [
+        "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        for r in rows
+    ]
+
+
+def _ms(x: float) -> str:
+    return f"{x:.0f}" if x >= 1000 else f"{x:.4g}"
+
+
+def _si(x: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= size:
+            return f"{x / size:.3g}{unit}"
+    return f"{x:.3g}"

@@ -1,0 +1,107 @@
+"""`deltarule check`: every test.json case on a backend against the float64 reference.
+
+`compare` is the one comparison used by the CLI and the test-suite: relative
+error ||out - ref|| / ||ref|| of the output and of the returned state (the
+whole slab for slab cases, so untouched rows must come back bit-identical
+enough to vanish from the error), NaN counting as a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import api, reference
+from .backends import names as backend_names
+from .cases import DTYPES, make_inputs, test_cases
+
+
+@dataclass
+class Result:
+    case: str
+    dtype: str
+    backend: str
+    err_o: float
+    err_state: float
+    tol: float
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return self.err_o <= self.tol and self.err_state <= self.tol
+
+
+def rel_err(out: torch.Tensor, ref: np.ndarray) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN anywhere gives inf; a zero ref needs a zero out."""
+    out64 = out.detach().to("cpu", torch.float64).numpy()
+    if not np.isfinite(out64).all():
+        return float("inf")
+    num = float(np.linalg.norm(out64 - ref))
+    den = float(np.linalg.norm(ref))
+    return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+
+
+def expected(args: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The float64 reference output and returned state for a call's arguments.
+
+    For slab calls the expected state is the whole slab: untouched rows as
+    they were, the sequences' rows replaced by their final states.
+    """
+    backend_free = {n: x for n, x in args.items() if n != "backend"}
+    p = api.validate(**backend_free)
+    o, states = reference.solve(p)
+    if p.state_layout == "vk":
+        states = states.swapaxes(-1, -2)
+    if not p.in_place:
+        return o, states
+    slab = p.initial_state.detach().to("cpu", torch.float64).numpy().copy()
+    for n, span in enumerate(p.spans):
+        if span.slot >= 0:
+            slab[span.slot] = states[n]
+    return o, slab
+
+
+def compare(case: dict, dtype: str, backend: str, device: str = "cpu") -> Result:
+    args = make_inputs(case, dtype, device)
+    ref_o, ref_state = expected(args)
+    start = time.perf_counter()
+    o, state = api.linear_attention(**args, backend=backend)
+    seconds = time.perf_counter() - start
+    if o.dtype != args["v"].dtype:
+        raise AssertionError(f"{case['name']}: output dtype {o.dtype}, expected v's {args['v'].dtype}")
+    if args.get("state_indices") is not None and state is not args["initial_state"]:
+        raise AssertionError(f"{case['name']}: a slab call must return the slab itself")
+    tol = float(case["tol"][dtype])
+    return Result(case["name"], dtype, backend, rel_err(o, ref_o), rel_err(state, ref_state), tol, seconds)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="torch", help="backend to check (default torch): "
+                        + ", ".join(("auto", *backend_names())))
+    parser.add_argument("--dtype", choices=[*DTYPES, "all"], default="all",
+                        help="input dtype (default: every dtype each case lists)")
+    parser.add_argument("--case", action="append", default=None,
+                        help="only cases whose name contains this (repeatable)")
+    parser.add_argument("--device", default="cpu")
+
+
+def main(args: argparse.Namespace) -> int:
+    results = []
+    print(f"{'case':<44} {'dtype':<9} {'err(o)':>9} {'err(S)':>9} {'tol':>8}  result")
+    for case in test_cases():
+        if args.case and not any(s in case["name"] for s in args.case):
+            continue
+        dtypes = case["dtypes"] if args.dtype == "all" else [d for d in case["dtypes"] if d == args.dtype]
+        for dtype in dtypes:
+            r = compare(case, dtype, args.backend, args.device)
+            results.append(r)
+            verdict = "pass" if r.passed else "FAIL"
+            print(f"{r.case:<44} {r.dtype:<9} {r.err_o:9.2e} {r.err_state:9.2e} {r.tol:8.0e}  {verdict}",
+                  flush=True)
+    failed = sum(not r.passed for r in results)
+    print(f"backend {args.backend}: {len(results) - failed} passed, {failed} failed")
+    return 1 if failed else 0
