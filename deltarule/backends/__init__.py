@@ -1,6 +1,7 @@
 """Backend registry and `backend="auto"` dispatch.
 
-A backend module has NAME, DESCRIPTION, available() -> bool,
+A backend module has NAME, DESCRIPTION, SUPPORTS (feature -> what it covers),
+available() -> bool,
 supports(problem) -> None or the reason it declines, and run(problem).
 """
 
@@ -20,9 +21,9 @@ def names() -> tuple[str, ...]:
 
 
 def info() -> list[dict]:
-    """One entry per backend: name, description, whether it is available here."""
+    """One entry per backend: name, description, availability here, what it supports."""
     return [
-        {"name": m.NAME, "description": m.DESCRIPTION, "available": m.available()}
+        {"name": m.NAME, "description": m.DESCRIPTION, "available": m.available(), "supports": m.SUPPORTS}
         for m in REGISTRY.values()
     ]
 

@@ -7,6 +7,15 @@ from ..problem import Problem
 
 NAME = "reference"
 DESCRIPTION = "float64 NumPy token-by-token recurrence, the oracle (slow)"
+SUPPORTS = {
+    "devices": "CPU computation (NumPy float64); tensors on any device",
+    "rules": "linear, gated, delta, gated_delta",
+    "decay": "g, gk, g + gk, raw-gate arm (A_log, dt_bias)",
+    "update": "beta, erase + write, beta_sigmoid",
+    "heads": "GVA (Hv multiple of Hk), GQA (Hq multiple of Hv)",
+    "batching": "dense, cu_seqlens, seq_lens, state slab (state_indices)",
+    "dtypes": "float32, float16, bfloat16 inputs; float32 state",
+}
 
 
 def available() -> bool:

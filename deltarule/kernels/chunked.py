@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-SUB = 16                      # per-key decay: sub-chunk size of the block factorisation
 GROUP_ELEMENTS = 1 << 24      # float32 elements of intra-chunk temporaries per chunk group
 
 
@@ -29,12 +28,12 @@ def chunked(q, k, v, lam, b, w, S, scale: float, chunk_size: int):
 
     Operands are token-major ([N, L, H, ...]); inside, chunks are outermost
     ([NC, N, H, C, ...]) so that every per-chunk slice is contiguous.
-    `chunk_size` is rounded up to a multiple of 16 when the decay is per key.
+    `chunk_size` is rounded up to a power of two when the decay is per key.
     """
     N, L, H, G, K = q.shape
     V = v.shape[-1]
     per_key = lam is not None and lam.dim() == 4
-    C = -(-chunk_size // SUB) * SUB if per_key else chunk_size
+    C = 1 << (chunk_size - 1).bit_length() if per_key else chunk_size
     NC = -(-L // C)
     if lam is None:                                  # no decay: G = 0 (keeps one code path)
         lam = k.new_zeros(N, L, H)
@@ -56,7 +55,7 @@ def chunked(q, k, v, lam, b, w, S, scale: float, chunk_size: int):
     kc, vc, lc, bc, wc = (chunks(x) for x in (k, v, lam, b, w))
 
     per_chunk = N * H * (C * (3 * K + 3 * V + (G + 2) * C) + K * V
-                         + (C * SUB * K * (G + 2) if per_key else 0))
+                         + (2 * C * K * (G + 2) if per_key else 0))
     group = max(1, GROUP_ELEMENTS // per_chunk)
     o = q.new_empty(N, NC * C, H, G, V)
     o_chunks = o.view(N, NC, C, H, G, V).permute(1, 0, 3, 4, 2, 5)   # [NC, N, H, G, C, V] view
@@ -170,31 +169,27 @@ def _pairwise_per_key(x, k, Gc, *, strict: bool):
     """P[r, s] = sum_k x[r,k] exp(G[r,k] - G[s,k]) k[s,k] for s < r (or s <= r).
 
     x [.., R, C, K] (R row groups sharing k and G), k / Gc [.., C, K] ->
-    [.., R, C, C]. Blocks below the diagonal of 16-token sub-chunks are matrix
-    products through the reference point n = last token of the column block
-    (both factors exp(G_r - G_n), exp(G_n - G_s) lie in [0, 1]); diagonal blocks
-    are formed element by element.
+    [.., R, C, C], C a power of two. Recursive halving: at block size s, rows
+    of each odd block meet columns of the even block before it through the
+    reference n = last token of the even block, so both factors
+    exp(G_r - G_n) and exp(G_n - G_s) lie in [0, 1] and the block is one
+    product. Every pair r > s is met at exactly one level.
     """
     *lead, C, K = k.shape
     R = x.shape[-3]
-    ns, c = C // SUB, SUB
-    Gs = Gc.view(*lead, ns, c, K)
-    Gn = Gs[..., -1, :]                                               # [.., ns, K]
-    right = k.view(*lead, ns, c, K) * (Gn.unsqueeze(-2) - Gs).exp()   # [.., ns, c, K]
-    # rows at or before the reference are masked below; clamp keeps their factor finite
-    left = x.unsqueeze(-3) * (Gc.unsqueeze(-3) - Gn.unsqueeze(-2)).clamp(max=0).exp().unsqueeze(-4)
-    blocks = left @ right.unsqueeze(-4).transpose(-1, -2)             # [.., R, ns, C, c]
-    out = blocks.permute(*range(len(lead)), -4, -2, -3, -1).reshape(*lead, R, C, C)
-    sub = torch.arange(C, device=k.device) // c
-    out = out.masked_fill(~(sub[:, None] > sub[None, :]), 0.0)
-
-    xd = x.view(*lead, R, ns, c, K)
-    diff = Gs.unsqueeze(-2) - Gs.unsqueeze(-3)                        # [.., ns, c(r), c(s), K]
-    tri = torch.ones(c, c, dtype=torch.bool, device=k.device).tril(-1 if strict else 0)
-    decay = diff.masked_fill(~tri[..., None], float("-inf")).exp()
-    kd = k.view(*lead, ns, c, K)
-    diag = torch.einsum("...rnik,...njk,...nijk->...rnij", xd, kd, decay)   # [.., R, ns, c, c]
-    d = len(lead) + 1
-    # the diagonal view of out as [.., R, J, i, J', j] is [.., R, i, j, J]
-    out.view(*lead, R, ns, c, ns, c).diagonal(dim1=-4, dim2=-2).copy_(diag.permute(*range(d), d + 1, d + 2, d))
+    out = x.new_zeros(*lead, R, C, C)
+    s = C // 2
+    while s >= 1:
+        m = C // (2 * s)
+        G4 = Gc.view(*lead, m, 2, s, K)
+        Gn = G4[..., 0, s - 1:s, :]                                   # [.., m, 1, K]
+        right = k.view(*lead, m, 2, s, K)[..., 0, :, :] * (Gn - G4[..., 0, :, :]).exp()
+        left = x.view(*lead, R, m, 2, s, K)[..., 1, :, :] * (G4[..., 1, :, :] - Gn).exp().unsqueeze(-4)
+        block = left @ right.unsqueeze(-4).transpose(-1, -2)          # [.., R, m, s, s]
+        # out as [.., R, m, 2, s, m', 2, s]; its diagonal over (m, m') is [.., R, 2, s, 2, s, m]
+        diag = out.view(*lead, R, m, 2, s, m, 2, s).diagonal(dim1=-6, dim2=-3)
+        diag[..., 1, :, 0, :, :].copy_(block.movedim(-3, -1))
+        s //= 2
+    if not strict:
+        out.diagonal(dim1=-2, dim2=-1).copy_((x * k.unsqueeze(-3)).sum(-1))
     return out
