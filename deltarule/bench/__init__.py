@@ -14,6 +14,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import sys
 from importlib import metadata
 
@@ -59,8 +60,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"deltarule bench: {e}", file=sys.stderr)
         return 2
     peer_names = [p.name for p in PEERS]
-    results = run(cases, args)
     meta = _meta(args)
+    results = run(cases, args)
     print(report.table(results, meta, peer_names))
     if args.json:
         with open(args.json, "w") as f:
@@ -118,7 +119,8 @@ def run_case(case: dict, args: argparse.Namespace, absent: dict, progress: "_Pro
     """{"case": case, "deltarule": entry, "peers": {name: entry}} for one case.
 
     An entry has "status" ("ok", "skipped" or "error"); an "ok" entry has
-    median_ms and samples_ms, a peer's also ratio, rel_err, match and note;
+    median_ms, min_ms and samples_ms, deltarule's also tokens_per_s,
+    gflop_per_s and gb_per_s, a peer's ratio, rel_err, match and note;
     the others have a one-line "reason".
     """
     inputs = make_inputs(case, args.dtype)
@@ -143,8 +145,7 @@ def _time_deltarule(case: dict, inputs: dict, args) -> tuple[dict, tuple | None]
                          args.repeat, args.budget)
     except (ContractError, Unsupported, RuntimeError, MemoryError) as e:
         return {"status": "error", "reason": _one_line(e)}, None
-    entry = {"status": "ok", "median_ms": timing.median * 1e3,
-             "samples_ms": [s * 1e3 for s in timing.samples]}
+    entry = _times(timing)
     entry.update(report.throughput(case, timing.median))
     return entry, timing.result
 
@@ -166,9 +167,7 @@ def _time_peer(peer, case: dict, inputs: dict, reference: tuple, dr_ms: float, a
                                              f"!= deltarule's {shapes[0][1]}, {shapes[1][1]}"}
     err = rel_error(got, reference)
     return {
-        "status": "ok", "median_ms": timing.median * 1e3,
-        "samples_ms": [s * 1e3 for s in timing.samples],
-        "ratio": timing.median * 1e3 / dr_ms, "rel_err": err if math.isfinite(err) else None,
+        **_times(timing), "ratio": timing.median * 1e3 / dr_ms, "rel_err": err if math.isfinite(err) else None,
         "match": err <= TOLERANCE[args.dtype], "note": prepared.note,
     }
 
@@ -183,6 +182,11 @@ def rel_error(got: tuple, want: tuple) -> float:
     return math.nan if any(math.isnan(e) for e in errors) else max(errors)
 
 
+def _times(timing) -> dict:
+    return {"status": "ok", "median_ms": timing.median * 1e3, "min_ms": min(timing.samples) * 1e3,
+            "samples_ms": [s * 1e3 for s in timing.samples]}
+
+
 def _skipped(reason: str) -> dict:
     return {"status": "skipped", "reason": reason}
 
@@ -195,12 +199,21 @@ def _one_line(e: BaseException) -> str:
 def _meta(args) -> dict:
     return {
         "deltarule": __version__, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(), "load_avg_at_start": _load_average(),
         "dtype": args.dtype, "backend": args.backend,
         "peers": {n: _version(n) for n in ("transformers", "onnxruntime")},
         "legends": [p.legend for p in PEERS],
         "flop_model": report.FLOP_MODEL, "bytes_model": report.BYTES_MODEL,
         "ratio": report.RATIO_NOTE,
     }
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average: other work on the machine skews the times."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def _version(dist: str) -> str:

@@ -49,6 +49,7 @@ def table(results: list[dict], meta: dict, peers: list[str]) -> str:
         f"dtype {meta['dtype']}, backend {meta['backend']}, "
         + ", ".join(f"{n} {v}" for n, v in meta["peers"].items()),
         f"times: median over timed repeats after one warm-up; {RATIO_NOTE}",
+        _load_line(meta),
         "",
         *_align([header, *rows]),
         "",
@@ -58,6 +59,12 @@ def table(results: list[dict], meta: dict, peers: list[str]) -> str:
         *notes.lines(),
     ]
     return "\n".join(lines)
+
+
+def _load_line(meta: dict) -> str:
+    load = meta["load_avg_at_start"]
+    text = f"load average {load:.2f} at start" if load is not None else "load average unknown"
+    return f"{text} on {meta['cpus']} CPUs (other busy processes slow the torch paths most)"
 
 
 def _row(result: dict, peers: list[str], notes: "_Footnotes") -> list[str]:

@@ -1,0 +1,80 @@
+"""`deltarule bench`: case selection, bench.json, and a tiny end-to-end run."""
+
+import json
+
+import pytest
+
+from deltarule import cli
+from deltarule.bench import select_cases
+from deltarule.cases import bench_cases, make_inputs
+
+CASE_KEYS = {"name", "model", "kind", "quick", "seed", "B", "T", "Hq", "Hk", "Hv", "K", "V",
+             "rule", "decay", "update", "decay_range", "initial_state", "qk_l2norm", "chunk_size"}
+
+
+def test_bench_json_cases_are_well_formed():
+    cases = bench_cases()
+    names = [c["name"] for c in cases]
+    assert len(names) == len(set(names))
+    for c in cases:
+        assert CASE_KEYS <= set(c), c["name"]
+        assert c["kind"] in ("prefill", "decode")
+        assert c["decay"] in ("g", "gk", "g+gk", "none")
+        assert c["update"] in ("beta", "erase_write", "none")
+        if c["kind"] == "decode":
+            assert c["T"] == 1 and c["initial_state"]
+
+
+def test_quick_covers_the_issue_shapes():
+    quick = {c["name"]: c for c in select_cases(bench_cases(), None, quick=True)}
+    shapes = {(c["kind"], c["B"], c["T"], c["Hv"], c["decay"], c["update"]) for c in quick.values()}
+    assert ("prefill", 1, 4096, 16, "g", "beta") in shapes
+    assert any(s[0] == "prefill" and s[4:] == ("gk", "beta") for s in shapes)
+    assert any(s[0] == "prefill" and s[4:] == ("gk", "erase_write") for s in shapes)
+    for B in (1, 8, 64):
+        assert ("decode", B, 1, 16, "g", "beta") in shapes
+    assert not any(c.get("smoke") for c in quick.values())
+
+
+def test_select_cases_exact_substring_and_unknown():
+    cases = bench_cases()
+    assert [c["name"] for c in select_cases(cases, ["tiny-decode"], False)] == ["tiny-decode"]
+    assert {c["name"] for c in select_cases(cases, ["tiny"], False)} == {"tiny-prefill", "tiny-decode"}
+    assert all(not c.get("smoke") for c in select_cases(cases, None, False))
+    with pytest.raises(ValueError, match="no bench case matches"):
+        select_cases(cases, ["no-such-case"], False)
+
+
+def test_tiny_cases_build_inputs():
+    for c in select_cases(bench_cases(), ["tiny"], False):
+        args = make_inputs(c)
+        assert args["v"].shape == (c["B"], c["T"], c["Hv"], c["V"])
+
+
+def test_bench_command_prints_table_and_writes_json_and_plot(tmp_path, capsys):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = cli.main(["bench", "--case", "tiny", "--repeat", "2", "--budget", "0.1",
+                   "--json", str(out_json), "--plot", str(out_png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    for needle in ("tiny-prefill", "tiny-decode", "deltarule ms", "GFLOP/s", "ratio", "threads"):
+        assert needle in text
+
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["threads"] >= 1
+    assert [r["case"]["name"] for r in data["results"]] == ["tiny-prefill", "tiny-decode"]
+    for r in data["results"]:
+        assert r["deltarule"]["status"] == "ok"
+        assert r["deltarule"]["median_ms"] > 0
+        for name, peer in r["peers"].items():
+            assert peer["status"] in ("ok", "skipped"), (name, peer)
+            if peer["status"] == "ok":  # a present peer must compute the same thing
+                assert peer["match"], (name, peer["rel_err"])
+            else:
+                assert peer["reason"]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_unknown_case_exits_2(capsys):
+    assert cli.main(["bench", "--case", "no-such-case"]) == 2
+    assert "no bench case matches" in capsys.readouterr().err
