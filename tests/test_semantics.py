@@ -172,3 +172,16 @@ def test_torch_random_shapes_match_reference(case):
     o, s = deltarule.linear_attention(**args, backend="torch")
     ref_o, ref_s = expected(args)
     assert rel(o, ref_o) < 5e-5 and rel(s, ref_s) < 5e-5
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("T", [0, 1, 70])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_initial_state_is_read_only_without_a_slab(backend, T, layout):
+    args = make(T=T, initial_state=True, state_layout=layout)
+    before = args["initial_state"].clone()
+    _, state = deltarule.linear_attention(**args, backend=backend)
+    assert torch.equal(args["initial_state"], before)
+    assert state.data_ptr() != args["initial_state"].data_ptr()
+    if T == 0:
+        assert torch.equal(state, before)

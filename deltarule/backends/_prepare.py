@@ -3,7 +3,9 @@
 Every torch-based backend turns a `Problem` into the same sequence-major float32
 operands, runs its kernels, then hands the results back through `finish`:
 
-    q [N, L, Hv, G, K]   k [N, L, Hv, K]   v [N, L, Hv, V]      (token-major)
+    q [N, L, Hq/G, G, K] k [N, L, Hk, K]   v [N, L, Hv, V]      (token-major)
+    (GVA: q and k keep their Hk heads, each serving Hv / Hk consecutive state heads;
+     GQA: G = Hq / Hv query heads per state head)
     lam  None | [N, L, Hv] | [N, L, Hv, K]    log decay (g + gk, raw arm applied)
     b    None | [N, L, Hv] | [N, L, Hv, K]    erase gate (scalar beta: [N, L, Hv])
     w    None | [N, L, Hv] | [N, L, Hv, V]    write gate
@@ -102,11 +104,8 @@ def operands(p: Problem, pk: Packing) -> Operands:
     if p.qk_l2norm:
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + p.l2norm_eps)
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + p.l2norm_eps)
-    Hv, G = p.Hv, p.G
-    if p.Hk != Hv:                                      # GVA: each key head serves Hv/Hk value heads
-        k = k.repeat_interleave(Hv // p.Hk, dim=2)
-        q = q.repeat_interleave(Hv // p.Hk, dim=2)
-    q = q.reshape(p.B, p.T, Hv, G * p.K)                # GQA: G query heads per state head
+    G = p.G
+    q = q.reshape(p.B, p.T, p.Hq // G, G * p.K)         # GQA: G query heads per state head
     seq = lambda x: None if x is None else _to_sequences(x, pk, p.B, p.T)  # noqa: E731
 
     g, gk = _log_decay(p)
@@ -134,7 +133,7 @@ def initial_states(p: Problem) -> torch.Tensor:
     if p.state_layout == "vk":
         init = init.transpose(-1, -2)
     if not p.in_place:
-        return init.clone(memory_format=torch.contiguous_format)
+        return init.contiguous()            # kernels never write their initial state
     slots = torch.tensor([max(s.slot, 0) for s in p.spans], dtype=torch.int64, device=p.device)
     S0 = init.index_select(0, slots).contiguous()
     pad = torch.tensor([s.slot < 0 for s in p.spans], device=p.device)
@@ -156,6 +155,8 @@ def finish(p: Problem, pk: Packing, o: torch.Tensor, S: torch.Tensor) -> tuple[t
     o = o.to(p.v.dtype)
     state = S.transpose(-1, -2) if p.state_layout == "vk" else S
     if not p.in_place:
+        if p.initial_state is not None and state.data_ptr() == p.initial_state.data_ptr():
+            state = state.clone()           # no step ran: never hand back the caller's tensor
         return o, state.contiguous()
     slab = p.initial_state
     keep = [n for n, s in enumerate(p.spans) if s.slot >= 0]

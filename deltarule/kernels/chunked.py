@@ -11,7 +11,7 @@ at once (batched matrix products); the chunk-to-chunk loop is three products.
 Every exponent is a difference G_r - G_s with r >= s (never exp of an unbounded
 cumulative sum). Memory is bounded by the group size, linear in T overall.
 
-Compute only: float32 sequence-major operands as described in
+Compute only: float32 token-major operands as described in
 `deltarule.backends._prepare`; no validation.
 """
 
@@ -20,52 +20,39 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-GROUP_ELEMENTS = 1 << 24      # float32 elements of intra-chunk temporaries per chunk group
+GROUP_ELEMENTS = 1 << 22      # float32 elements of temporaries per chunk group (~16 MB, cache-sized)
 
 
 def chunked(q, k, v, lam, b, w, S, scale: float, chunk_size: int):
     """Same contract as `kernels.recurrent.recurrent`, computed chunk by chunk.
 
-    Operands are token-major ([N, L, H, ...]); inside, chunks are outermost
-    ([NC, N, H, C, ...]) so that every per-chunk slice is contiguous.
+    Operands are token-major ([N, L, H, ...]; q and k may have Hq' / Hk heads
+    dividing H, each serving H / Hk consecutive state heads). One group of
+    chunks at a time is copied chunk-major ([n, N, H, C, ...], heads expanded)
+    so that every per-chunk slice is contiguous and memory beyond the inputs
+    and the output stays bounded by the group size.
     `chunk_size` is rounded up to a power of two when the decay is per key.
     """
-    N, L, H, G, K = q.shape
-    V = v.shape[-1]
+    N, L, _, G, K = q.shape
+    H, V = v.shape[2], v.shape[3]
     per_key = lam is not None and lam.dim() == 4
     C = 1 << (chunk_size - 1).bit_length() if per_key else chunk_size
     NC = -(-L // C)
     if lam is None:                                  # no decay: G = 0 (keeps one code path)
         lam = k.new_zeros(N, L, H)
 
-    def chunks(x):
-        """[N, L, H, *F] -> [NC, N, H, C, *F], padded with identity steps (zeros)."""
-        if x is None:
-            return None
-        feat = x.shape[3:]
-        out = x.new_zeros(NC, N, H, C, *feat)
-        dst = out.permute(1, 0, 3, 2, *range(4, out.dim()))     # [N, NC, C, H, *F] view
-        full, rem = divmod(L, C)
-        dst[:, :full] = x[:, : full * C].reshape(N, full, C, H, *feat)
-        if rem:
-            dst[:, full, :rem] = x[:, full * C:]
-        return out
-
-    qc = chunks(q).transpose(3, 4).contiguous()                 # [NC, N, H, G, C, K]
-    kc, vc, lc, bc, wc = (chunks(x) for x in (k, v, lam, b, w))
-
-    per_chunk = N * H * (C * (3 * K + 3 * V + (G + 2) * C) + K * V
+    per_chunk = N * H * (C * (4 * K + 3 * V + (G + 2) * C) + K * V
                          + (2 * C * K * (G + 2) if per_key else 0))
     group = max(1, GROUP_ELEMENTS // per_chunk)
-    o = q.new_empty(N, NC * C, H, G, V)
-    o_chunks = o.view(N, NC, C, H, G, V).permute(1, 0, 3, 4, 2, 5)   # [NC, N, H, G, C, V] view
+    o = q.new_empty(N, L, H, G, V)
     NH = N * H
     for c0 in range(0, NC, group):
-        sl = slice(c0, min(c0 + group, NC))
-        n = sl.stop - sl.start
-        U, Y, M, q_dec, k_dec, s_dec = _intra(
-            qc[sl], kc[sl], vc[sl], lc[sl],
-            None if bc is None else bc[sl], None if wc is None else wc[sl], scale)
+        n = min(group, NC - c0)
+        t0 = c0 * C
+        qc = _chunk_major(q, t0, n, C, H).transpose(3, 4).contiguous()   # [n, N, H, G, C, K]
+        kc, vc, lc, bc = (_chunk_major(x, t0, n, C, H) for x in (k, v, lam, b))
+        wc = bc if w is b else _chunk_major(w, t0, n, C, H)   # scalar beta: one gate, one copy
+        U, Y, M, q_dec, k_dec, s_dec = _intra(qc, kc, vc, lc, bc, wc)
         states = S.new_empty(n + 1, N, H, K, V)      # states[i]: the state entering chunk i
         states[0] = S
         for i in range(n):
@@ -76,47 +63,83 @@ def chunked(q, k, v, lam, b, w, S, scale: float, chunk_size: int):
             torch.mul(states[i], s_dec[i], out=states[i + 1])
             S_next.baddbmm_(k_dec[i].view(NH, C, K).transpose(1, 2), U_i)
         S = states[n]
-        o_grp = torch.baddbmm(
+        o_grp = torch.baddbmm(                       # scale (M U + (Q * exp G) S0)
             (M.view(-1, G * C, C) @ U.view(-1, C, V)),
-            q_dec.view(-1, G * C, K), states[:n].view(-1, K, V))
-        o_chunks[sl] = o_grp.view(n, N, H, G, C, V)
-    return o[:, :L], S
+            q_dec.view(-1, G * C, K), states[:n].view(-1, K, V), beta=scale, alpha=scale)
+        _to_tokens(o, t0, o_grp.view(n, N, H, G, C, V).transpose(3, 4))
+    return o, S
 
 
-def _intra(q, k, v, lam, b, w, scale):
+def _chunk_major(x, t0: int, n: int, C: int, H: int):
+    """Tokens t0 .. t0 + n*C of x [N, L, Hx, *F] -> [n, N, H, C, *F].
+
+    Heads are expanded (each of the Hx source heads serves H / Hx consecutive
+    heads); tokens past L are identity steps (zeros).
+    """
+    if x is None:
+        return None
+    N, L, Hx, *feat = x.shape
+    r = H // Hx
+    out = x.new_empty(n, N, H, C, *feat)
+    # out as [N, n, C, Hx, r, *F], the token-major order of the source
+    dst = out.view(n, N, Hx, r, C, *feat).permute(1, 0, 4, 2, 3, *range(5, out.dim() + 1))
+    full = min(n, (L - t0) // C)
+    if full:
+        src = x[:, t0:t0 + full * C].reshape(N, full, C, Hx, 1, *feat)
+        dst[:, :full] = src
+    if full < n:
+        rem = L - t0 - full * C
+        dst[:, full, :rem] = x[:, t0 + full * C:].unsqueeze(3)
+        dst[:, full, rem:] = 0
+    return out
+
+
+def _to_tokens(o, t0: int, block):
+    """Write block [n, N, H, C, G, V] into o [N, L, H, G, V] from token t0 (cropped at L)."""
+    n, N, H, C = block.shape[:4]
+    L = o.shape[1]
+    full = min(n, (L - t0) // C)
+    if full:
+        o[:, t0:t0 + full * C].view(N, full, C, H, *o.shape[3:]).copy_(
+            block[:full].permute(1, 0, 3, 2, 4, 5))
+    if full < n:
+        rem = L - t0 - full * C
+        o[:, t0 + full * C:].copy_(block[full, :, :, :rem].transpose(1, 2))
+
+
+def _intra(q, k, v, lam, b, w):
     """State-free quantities of a group of n chunks.
 
     Operands [n, N, H, (G,) C, ...]. Returns U_free [.., C, V] (updated in place
-    by the caller into U), Y [.., C, K] or None, M [.., G, C, C] (scale folded
-    in), q_dec [.., G, C, K] (scale folded in), k_dec [.., C, K] and the
-    per-chunk state decay s_dec [.., 1, 1] (scalar) or [.., K, 1] (per key).
+    by the caller into U), Y [.., C, K] or None, M [.., G, C, C],
+    q_dec [.., G, C, K], k_dec [.., C, K] and the per-chunk state decay
+    s_dec [.., 1, 1] (scalar) or [.., K, 1] (per key). The output scale is
+    applied by the caller.
     """
     C = k.shape[-2]
     kt = k.transpose(-1, -2)
+    A = None
     if lam.dim() == 4:                                                # scalar decay [.., C]
         Gc = lam.cumsum(-1)
-        diff = Gc[..., :, None] - Gc[..., None, :]
-        mask = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
-        gamma = diff.masked_fill(~mask, float("-inf")).exp()          # [.., C, C] lower incl. diag
-        M = (q @ kt.unsqueeze(-3)) * (gamma * scale).unsqueeze(-3)
+        upper = torch.ones(C, C, dtype=torch.bool, device=k.device).triu(1)
+        gamma = (Gc[..., :, None] - Gc[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
+        M = (q @ kt.unsqueeze(-3)).mul_(gamma.unsqueeze(-3))         # lower incl. diagonal
         e_G = Gc.exp()
-        q_dec = q * (e_G * scale)[..., None, :, None]
-        k_dec = k * (Gc[..., -1:] - Gc).exp()[..., None]
+        q_dec = q * e_G[..., None, :, None]
+        k_dec = k * (Gc[..., -1:] - Gc).exp_()[..., None]
         s_dec = Gc[..., -1].exp()[..., None, None]
-        A = None
-        if b is not None:
-            A = (k @ kt if b.dim() == 4 else (k * b) @ kt) * gamma
-            A = A.tril(-1)
+        if b is not None:                    # only the strict lower part of A is ever read
             if b.dim() == 4:
-                A = A * b[..., :, None]                               # row scale: diag(b) K K^T
+                A = (k @ kt).mul_(gamma).mul_(b[..., :, None])       # diag(b) (K K^T * Γ)
+            else:
+                A = ((k * b) @ kt).mul_(gamma)
     else:                                                             # per-key decay [.., C, K]
         Gc = lam.cumsum(-2)
-        M = _pairwise_per_key(q, k, Gc, strict=False) * scale
+        M = _pairwise_per_key(q, k, Gc, strict=False)
         e_G = Gc.exp()
-        q_dec = q * (e_G * scale).unsqueeze(-3)
-        k_dec = k * (Gc[..., -1:, :] - Gc).exp()
+        q_dec = q * e_G.unsqueeze(-3)
+        k_dec = k * (Gc[..., -1:, :] - Gc).exp_()
         s_dec = Gc[..., -1, :].exp()[..., None]
-        A = None
         if b is not None:
             kb = k * (b if b.dim() == 5 else b[..., None])
             A = _pairwise_per_key(kb.unsqueeze(-3), k, Gc, strict=True).squeeze(-3)
@@ -125,44 +148,41 @@ def _intra(q, k, v, lam, b, w, scale):
         return v.contiguous(), None, M, q_dec, k_dec, s_dec
     T = _unit_lower_inverse(A)
     # scalar gates scale T's columns (C x C) instead of V or K (C x V, C x K)
-    Tw = T * w[..., None, :] if w.dim() == 4 else T
-    U = Tw @ (v if w.dim() == 4 else v * w)
-    eb = e_G * b if (b.dim() == 4 and e_G.dim() == 4) else None
-    if eb is not None:
-        Y = (T * eb[..., None, :]) @ k
+    U = (T * w[..., None, :]) @ v if w.dim() == 4 else T @ (v * w)
+    if b.dim() == 4 and e_G.dim() == 4:
+        Y = (T * (e_G * b)[..., None, :]) @ k
     else:
         kb = k * (b if b.dim() == 5 else b[..., None])
-        Y = T @ (kb * (e_G if e_G.dim() == 5 else e_G[..., None]))
+        Y = T @ kb.mul_(e_G if e_G.dim() == 5 else e_G[..., None])
     return U, Y, M, q_dec, k_dec, s_dec
 
 
 def _unit_lower_inverse(A):
-    """(I + A)^-1 for strictly lower triangular A [.., C, C], by block doubling.
+    """(I + A)^-1 for the strictly lower part of A [.., C, C], by block doubling.
 
     Level s completes the diagonal blocks of size 2s from those of size s:
     T21 = -T22 A21 T11, all blocks of all chunks in one batched product.
-    Batched small products beat a per-matrix triangular solve on the CPU.
+    Only A's strictly lower triangle is read. Batched small products beat a
+    per-matrix triangular solve on the CPU.
     """
     *lead, C, _ = A.shape
-    T = torch.eye(C, dtype=A.dtype, device=A.device).expand(*lead, C, C).contiguous()
+    Cp = 1 << (C - 1).bit_length()                   # pad to a power of two: I + A stays unit lower
+    if Cp != C:
+        A = F.pad(A, (0, Cp - C, 0, Cp - C))
+    T = torch.eye(Cp, dtype=A.dtype, device=A.device).expand(*lead, Cp, Cp).contiguous()
     s = 1
-    while s < C:
-        m = -(-C // (2 * s))
-        Cp = m * 2 * s
-        if Cp != C:                                  # ragged last block: pad to whole blocks
-            Ap = F.pad(A, (0, Cp - C, 0, Cp - C))
-            Tp = F.pad(T, (0, Cp - C, 0, Cp - C))
-            Tp[..., C:, C:] = torch.eye(Cp - C, dtype=A.dtype, device=A.device)
+    while s < Cp:
+        m = Cp // (2 * s)
+        a = A.reshape(*lead, m, 2, s, m, 2, s).diagonal(dim1=-6, dim2=-3)   # [.., 2, s, 2, s, m]
+        t = T.view(*lead, m, 2, s, m, 2, s).diagonal(dim1=-6, dim2=-3)
+        if s == 1:                                   # T11 = T22 = 1
+            t[..., 1, :, 0, :, :].copy_(a[..., 1, :, 0, :, :]).neg_()
         else:
-            Ap, Tp = A, T
-        a = Ap.reshape(*lead, m, 2, s, m, 2, s).diagonal(dim1=-6, dim2=-3)   # [.., 2, s, 2, s, m]
-        t = Tp.view(*lead, m, 2, s, m, 2, s).diagonal(dim1=-6, dim2=-3)
-        t21 = -(t[..., 1, :, 1, :, :].movedim(-1, -3) @ a[..., 1, :, 0, :, :].movedim(-1, -3)
-                @ t[..., 0, :, 0, :, :].movedim(-1, -3))
-        t[..., 1, :, 0, :, :].copy_(t21.movedim(-3, -1))
-        T = Tp[..., :C, :C] if Cp != C else Tp
+            t21 = -(t[..., 1, :, 1, :, :].movedim(-1, -3) @ a[..., 1, :, 0, :, :].movedim(-1, -3)
+                    @ t[..., 0, :, 0, :, :].movedim(-1, -3))
+            t[..., 1, :, 0, :, :].copy_(t21.movedim(-3, -1))
         s *= 2
-    return T
+    return T[..., :C, :C] if Cp != C else T
 
 
 def _pairwise_per_key(x, k, Gc, *, strict: bool):
