@@ -8,18 +8,11 @@ from ..kernels.chunked import chunked
 from ..kernels.recurrent import recurrent
 from ..problem import Problem
 from . import _prepare
+from ._features import EVERYTHING
 
 NAME = "torch"
 DESCRIPTION = "chunked (WY/UT) prefill + recurrent decode in torch ops"
-SUPPORTS = {
-    "devices": "any torch device",
-    "rules": "linear, gated, delta, gated_delta",
-    "decay": "g, gk, g + gk, raw-gate arm (A_log, dt_bias)",
-    "update": "beta, erase + write, beta_sigmoid",
-    "heads": "GVA (Hv multiple of Hk), GQA (Hq multiple of Hv)",
-    "batching": "dense, cu_seqlens, seq_lens, state slab (state_indices)",
-    "dtypes": "float32, float16, bfloat16 inputs; float32 state",
-}
+SUPPORTS = dict(EVERYTHING, devices="any torch device")
 # Sequences up to this many tokens run token by token: below it the chunked
 # form's intra-chunk work costs more than it saves (measured in docs/performance.md).
 RECURRENT_MAX_LEN = 16
