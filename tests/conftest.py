@@ -3,6 +3,10 @@ import pytest
 import torch
 
 from deltarule import cases
+from deltarule.backends import cpu_backend
+
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(
+    not cpu_backend.available(), reason="the cpu backend needs numba: pip install 'deltarule[cpu]'"))
 
 
 def case_params(filter_=lambda case: True, dtypes=None):

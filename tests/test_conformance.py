@@ -7,9 +7,9 @@ import deltarule
 from deltarule.check import compare
 from deltarule import cases
 
-from conftest import case_params
+from conftest import CPU, case_params
 
-BACKENDS = ["torch", "reference"]
+BACKENDS = [CPU, "torch", "reference"]
 
 
 def test_enough_cases():
@@ -25,18 +25,26 @@ def test_backend_matches_reference(backend, case, dtype):
     assert r.passed, f"{backend} {case['name']} {dtype}: err(o)={r.err_o:.2e} err(S)={r.err_state:.2e} tol={r.tol:.0e}"
 
 
+@pytest.mark.parametrize("backend", [CPU, "torch"])
 @pytest.mark.parametrize("case,dtype", case_params(dtypes=["float32"]))
-def test_torch_writes_every_output_element(nan_poison, case, dtype):
+def test_backend_writes_every_output_element(nan_poison, backend, case, dtype):
     """With uninitialised memory poisoned to NaN, outputs and states stay finite and correct."""
-    r = compare(case, dtype, "torch")
+    r = compare(case, dtype, backend)
     assert r.passed, f"err(o)={r.err_o:.2e} err(S)={r.err_state:.2e}"
 
 
-def test_auto_picks_torch_on_cpu():
+def test_auto_order_on_cpu():
     case = cases.test_cases()[0]
     assert compare(case, "float32", "auto").passed
     names = [b["name"] for b in deltarule.backend_info()]
-    assert names[:2] == ["torch", "reference"]
+    assert names == ["cpu", "torch", "reference"]
+
+
+def test_cpu_backend_declines_other_devices():
+    pytest.importorskip("numba", reason="the cpu backend needs numba: pip install 'deltarule[cpu]'")
+    args = cases.make_inputs(cases.test_cases()[0], device="meta")
+    with pytest.raises(deltarule.Unsupported, match="CPU tensors only"):
+        deltarule.linear_attention(**args, backend="cpu")
 
 
 def test_unknown_dtype_output_follows_v():

@@ -12,7 +12,7 @@ from deltarule import cases
 from deltarule.check import expected
 from deltarule.kernels import chunked as chunked_module
 
-from conftest import rel
+from conftest import CPU, rel
 
 CASE = {"name": "semantics", "seed": 11, "B": 2, "T": 70, "Hq": 2, "Hk": 2, "Hv": 4, "K": 20, "V": 12}
 
@@ -33,7 +33,7 @@ def slice_args(args, row, start, end, state):
     return out
 
 
-@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("backend", [CPU, "torch", "reference"])
 @pytest.mark.parametrize("decay,update", [("g", "beta"), ("gk", "erase_write")], ids=["gdn", "gdn2"])
 def test_cu_seqlens_equals_per_sequence_calls(backend, decay, update):
     cu = [0, 0, 17, 17, 50, 45, 70]                    # empty, decreasing and normal sequences
@@ -52,7 +52,7 @@ def test_cu_seqlens_equals_per_sequence_calls(backend, decay, update):
     assert rel(o, want_o) < 5e-5
 
 
-@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("backend", [CPU, "torch", "reference"])
 def test_seq_lens_ignores_padding_tokens(backend):
     lens = [70, 0]
     args = make(seq_lens=lens, initial_state=True)
@@ -68,7 +68,7 @@ def test_seq_lens_ignores_padding_tokens(backend):
     assert rel(o[:1], o0) < 5e-5 and rel(state[:1], s0) < 5e-5
 
 
-@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("backend", [CPU, "torch", "reference"])
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_slab_rows_match_dense_call_and_others_untouched(backend, layout):
     idx = [5, -1, 2]
@@ -88,7 +88,7 @@ def test_slab_rows_match_dense_call_and_others_untouched(backend, layout):
     assert torch.equal(o[1], torch.zeros_like(o[1]))    # padding sequence
 
 
-@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("backend", [CPU, "torch", "reference"])
 def test_slab_all_padding_touches_nothing(backend):
     args = make(B=2, T=4, initial_state=True, state_indices=[-1, -1], num_slots=3)
     before = args["initial_state"].clone()
@@ -115,7 +115,7 @@ def test_torch_chunk_groups_do_not_change_the_result(monkeypatch):
     assert rel(o, ref_o) < 1e-6 and rel(s, ref_s) < 1e-6
 
 
-@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("backend", [CPU, "torch", "reference"])
 @pytest.mark.parametrize("T", [3, 70])
 def test_erase_write_equal_to_beta_reproduce_scalar_path(backend, T):
     args = make(T=T, decay="gk", initial_state=True)
@@ -174,7 +174,7 @@ def test_torch_random_shapes_match_reference(case):
     assert rel(o, ref_o) < 5e-5 and rel(s, ref_s) < 5e-5
 
 
-@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("backend", [CPU, "torch", "reference"])
 @pytest.mark.parametrize("T", [0, 1, 70])
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_initial_state_is_read_only_without_a_slab(backend, T, layout):

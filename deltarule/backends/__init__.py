@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from ..errors import ContractError, Unsupported
 from ..problem import Problem
-from . import reference_backend, torch_backend
+from . import cpu_backend, reference_backend, torch_backend
 
 # Fastest first: "auto" takes the first available backend that accepts the call.
-REGISTRY = {m.NAME: m for m in (torch_backend, reference_backend)}
-AUTO_ORDER = ("torch", "reference")
+REGISTRY = {m.NAME: m for m in (cpu_backend, torch_backend, reference_backend)}
+AUTO_ORDER = ("cpu", "torch", "reference")
 
 
 def names() -> tuple[str, ...]:

@@ -1,0 +1,66 @@
+"""The `cpu` backend: a fused numba recurrence for decode and short sequences,
+the torch chunked kernel for prefill. CPU tensors only."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..kernels.chunked import chunked
+from ..problem import Problem
+from . import _prepare
+from ._features import EVERYTHING
+
+NAME = "cpu"
+DESCRIPTION = "fused numba recurrence (decode, short sequences) + torch chunked prefill"
+SUPPORTS = dict(EVERYTHING, devices="CPU tensors")
+# Sequences up to this many tokens take the fused recurrence, longer ones the
+# chunked kernel (crossover measured on the 16-head layer, docs/performance.md).
+RECURRENT_MAX_LEN = 16
+
+
+def available() -> bool:
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def supports(p: Problem) -> str | None:
+    if p.device.type != "cpu":
+        return f"CPU tensors only, got device {p.device}"
+    return None
+
+
+def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    pk = _prepare.pack(p)
+    x = _prepare.operands(p, pk)
+    if pk.L <= RECURRENT_MAX_LEN:
+        o, S = _fused_recurrent(x, p.scale)
+    else:
+        o, S = chunked(x.q, x.k, x.v, x.lam, x.b, x.w, x.S0, p.scale, p.chunk_size)
+    return _prepare.finish(p, pk, o, S)
+
+
+def _fused_recurrent(x: _prepare.Operands, scale: float):
+    from ..kernels.cpu_recurrent import recurrent_steps
+
+    N, L, H, V = x.v.shape
+    G, K = x.q.shape[3], x.q.shape[4]
+    o = torch.empty(N, L, H, G, V, dtype=torch.float32)
+    S = torch.empty_like(x.S0)
+
+    def gate(t):
+        if t is None:
+            return np.empty((0, 0, 0, 1), dtype=np.float32), False
+        t = t if t.dim() == 4 else t.unsqueeze(-1)
+        return t.contiguous().numpy(), True
+
+    lam, has_lam = gate(x.lam)
+    b, has_b = gate(x.b)
+    w, has_w = gate(x.w)
+    recurrent_steps(x.q.contiguous().numpy(), x.k.contiguous().numpy(), x.v.contiguous().numpy(),
+                    lam, b, w, x.S0.contiguous().numpy(), S.numpy(), o.numpy(), np.float32(scale),
+                    has_lam, has_b, has_w)
+    return o, S
