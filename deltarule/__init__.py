@@ -3,7 +3,8 @@
 from .api import linear_attention, validate
 from .backends import info as backend_info
 from .errors import ContractError, Unsupported
+from .gate import gate
 
 __version__ = "0.1.0"
 
-__all__ = ["linear_attention", "validate", "backend_info", "ContractError", "Unsupported", "__version__"]
+__all__ = ["linear_attention", "validate", "backend_info", "gate", "ContractError", "Unsupported", "__version__"]

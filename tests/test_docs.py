@@ -19,3 +19,10 @@ def test_readme_quickstart_runs(capsys):
     block = re.search(r"## Quickstart\n\n```python\n(.*?)```", text, re.S).group(1)
     exec(compile(block, "README quickstart", "exec"), {})
     assert "torch.Size([1, 128, 4, 64])" in capsys.readouterr().out
+
+
+def test_gate_docstring_example_runs():
+    import importlib
+    module = importlib.import_module("deltarule.gate")   # the attribute deltarule.gate is the function
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0

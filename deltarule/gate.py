@@ -1,0 +1,88 @@
+"""The fused gate of the Gated DeltaNet family: decay and update rate from raw projections.
+
+    decay = decay_scale * softplus(a + dt_bias)
+    beta  = sigmoid(b)
+
+The arithmetic is float32 whatever the input dtype, and the results are
+narrowed to `a`'s dtype only on store: `exp(decay)` inside the recurrence
+amplifies any precision lost here. For Gated DeltaNet, `decay_scale` is
+`-exp(A_log)`, so `decay` is the log-space decay `g` that
+`deltarule.linear_attention` takes (the same value as its raw-gate arm,
+`A_log` / `dt_bias`, forms internally).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .errors import ContractError
+
+__all__ = ["gate"]
+
+_GATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def gate(
+    a: torch.Tensor,
+    dt_bias: torch.Tensor,
+    decay_scale: torch.Tensor,
+    b: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """decay = decay_scale * softplus(a + dt_bias); beta = sigmoid(b), in float32.
+
+    Args:
+        a: [..., H] raw decay projection, rank >= 1, float32 / float16 /
+            bfloat16; the last axis is the head axis, the leading axes are
+            folded (any of them may be empty).
+        dt_bias: [H] float32 per-head bias added to `a`.
+        decay_scale: [H] float32 per-head multiplier of the softplus
+            (`-exp(A_log)` for Gated DeltaNet).
+        b: optional raw update-rate projection, `a`'s shape and dtype.
+
+    Returns:
+        (decay, beta): `decay` with `a`'s shape and dtype; `beta` with `b`'s
+        shape and dtype, or None when `b` is None.
+
+    Raises:
+        ContractError: a wrong type, rank, shape, dtype or device, before any work.
+
+    Example:
+        >>> import torch, deltarule
+        >>> a = torch.zeros(2, 3)
+        >>> decay, beta = deltarule.gate(a, torch.zeros(3), -torch.ones(3), b=torch.zeros(2, 3))
+        >>> round(decay[0, 0].item(), 6), beta[0, 0].item()
+        (-0.693147, 0.5)
+    """
+    if not isinstance(a, torch.Tensor):
+        raise ContractError("a", "a torch.Tensor", type(a).__name__)
+    if a.dim() < 1:
+        raise ContractError("a", "a tensor of rank >= 1 ([..., H])", f"shape {list(a.shape)}")
+    if a.dtype not in _GATE_DTYPES:
+        raise ContractError("a", "dtype float32, float16 or bfloat16", a.dtype)
+    H = a.shape[-1]
+    if H < 1:
+        raise ContractError("a", "a head axis (last) of extent >= 1", f"shape {list(a.shape)}")
+    for name, x in (("dt_bias", dt_bias), ("decay_scale", decay_scale)):
+        if not isinstance(x, torch.Tensor):
+            raise ContractError(name, "a torch.Tensor", type(x).__name__)
+        if tuple(x.shape) != (H,):
+            raise ContractError(name, f"shape [{H}] (a's head axis)", list(x.shape))
+        if x.dtype != torch.float32:
+            raise ContractError(name, "dtype float32", x.dtype)
+        if x.device != a.device:
+            raise ContractError(name, f"device {a.device} (a's)", x.device)
+    if b is not None:
+        if not isinstance(b, torch.Tensor):
+            raise ContractError("b", "a torch.Tensor or None", type(b).__name__)
+        if tuple(b.shape) != tuple(a.shape):
+            raise ContractError("b", f"a's shape {list(a.shape)}", list(b.shape))
+        if b.dtype != a.dtype:
+            raise ContractError("b", f"a's dtype {a.dtype}", b.dtype)
+        if b.device != a.device:
+            raise ContractError("b", f"device {a.device} (a's)", b.device)
+
+    f32 = torch.float32
+    decay = (decay_scale * F.softplus(a.to(f32) + dt_bias)).to(a.dtype)
+    beta = None if b is None else torch.sigmoid(b.to(f32)).to(b.dtype)
+    return decay, beta

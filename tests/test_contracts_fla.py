@@ -1,0 +1,439 @@
+"""deltarule.contracts.fla against flash-linear-attention's own PyTorch references.
+
+fla's Triton kernels need a GPU; its naive recurrent references
+(`naive_recurrent_gated_delta_rule`, `naive_recurrent_kda`,
+`naive_recurrent_gdn2`) and its torch gate references (`naive_gdn_gate`,
+`naive_kda_gate`, `naive_kda_lowerbound_gate`) run on CPU, in float32, and are
+the oracle here. Features the naive references lack (GVA for GDN / GDN-2,
+varlen, in-kernel l2norm, beta sigmoid, V-first state) are composed around them
+exactly as fla's kernels define them.
+
+Error floor: both sides accumulate in float32, the adapters measure ~1e-7
+relative error against the naive references; the bound is 1e-5 (DESIGN.md
+section 6), and `test_bound_discriminates` checks that the comparisons fail on
+a wrong mapping.
+"""
+
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton", reason="fla-core imports triton at import time: pip install triton")
+fla = pytest.importorskip(
+    "fla", reason="the fla adapter is checked against flash-linear-attention: pip install fla-core einops packaging")
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gdn
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_fused_gdn
+    from fla.ops.gated_delta_rule.gate import naive_gdn_gate
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+    from fla.ops.gdn2 import chunk_gdn2 as fla_chunk_gdn2
+    from fla.ops.gdn2 import fused_recurrent_gdn2 as fla_fused_gdn2
+    from fla.ops.gdn2.naive import naive_recurrent_gdn2
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+    from fla.ops.kda import fused_recurrent_kda as fla_fused_kda
+    from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+import deltarule
+from deltarule.contracts import fla as dfla
+
+TOL = 1e-5
+F32 = torch.float32
+
+
+def rel(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm()).item()
+
+
+def close(got, ref, tol=TOL):
+    (o, s), (o_ref, s_ref) = got, ref
+    assert o.shape == o_ref.shape and o.dtype == o_ref.dtype
+    assert rel(o, o_ref) < tol, rel(o, o_ref)
+    if s_ref is None:
+        assert s is None
+    else:
+        assert s.dtype == F32 and s.shape == s_ref.shape
+        assert rel(s, s_ref) < tol, rel(s, s_ref)
+
+
+def inputs(seed, B=2, T=37, H=2, HV=None, K=16, V=32, normalize=True):
+    gen = torch.Generator().manual_seed(seed)
+    HV = HV or H
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    u = lambda *s: torch.rand(*s, generator=gen)  # noqa: E731
+    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
+    if normalize:
+        k = F.normalize(k, dim=-1)
+    return dict(
+        q=q, k=k, v=v,
+        g=F.logsigmoid(r(B, T, HV) + 2.0),          # scalar log decay
+        gk=F.logsigmoid(r(B, T, HV, K) + 3.0),      # per-key log decay
+        beta=u(B, T, HV),
+        b=u(B, T, HV, K), w=u(B, T, HV, V),         # GDN-2 erase / write
+        h0=r(B, HV, K, V),
+        raw=r(B, T, HV), raw_k=r(B, T, HV, K),      # raw gate projections
+        A_log=torch.log(u(HV) * 2 + 0.5), dt_bias=r(HV), dt_bias_k=r(HV * K),
+        logits=r(B, T, HV) * 2,
+        gen=gen,
+    )
+
+
+# --- references composed from fla's naive functions ---------------------------------------
+
+def expand(x, HV):
+    """fla's GVA: value head h reads q/k head h // (HV // H)."""
+    return x.repeat_interleave(HV // x.shape[2], dim=2)
+
+
+def fla_l2norm(x):
+    x = x.float()
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def ref_gdn(q, k, v, g, beta, scale=None, h0=None, final=True):
+    HV = v.shape[2]
+    return naive_recurrent_gated_delta_rule(expand(q, HV), expand(k, HV), v, beta, g, scale=scale,
+                                            initial_state=h0, output_final_state=final)
+
+
+def ref_kda(q, k, v, g, beta, scale=None, h0=None, final=True):
+    return naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=final)
+
+
+def ref_gdn2(q, k, v, g, b, w, scale=None, h0=None, final=True):
+    HV = v.shape[2]
+    return naive_recurrent_gdn2(expand(q, HV), expand(k, HV), v, g, b, w, scale=scale,
+                                initial_state=h0, output_final_state=final)
+
+
+def ref_varlen(ref, cu, q, k, v, *gates, h0=None, **kw):
+    """Packed B=1 varlen through a fixed-length reference, one sequence at a time."""
+    outs, states = [], []
+    for n, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        sl = lambda x, s=s, e=e: x[:, s:e]  # noqa: E731
+        o, st = ref(sl(q), sl(k), sl(v), *map(sl, gates), h0=None if h0 is None else h0[n:n + 1], **kw)
+        outs.append(o)
+        states.append(st)
+    return torch.cat(outs, 1), torch.cat(states, 0)
+
+
+# --- the contract: signatures --------------------------------------------------------------
+
+@pytest.mark.parametrize("pair", [
+    (fla_chunk_gdn, dfla.chunk_gated_delta_rule), (fla_fused_gdn, dfla.fused_recurrent_gated_delta_rule),
+    (fla_chunk_kda, dfla.chunk_kda), (fla_fused_kda, dfla.fused_recurrent_kda),
+    (fla_chunk_gdn2, dfla.chunk_gdn2), (fla_fused_gdn2, dfla.fused_recurrent_gdn2),
+], ids=lambda p: p[1].__name__)
+def test_signature_is_flas(pair):
+    """Names, order, kinds and defaults of every parameter are fla's."""
+    theirs, ours = (
+        [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()] for f in pair)
+    assert ours == theirs
+
+
+# --- Gated DeltaNet --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fn", ["chunk", "fused"])
+@pytest.mark.parametrize("HV", [2, 4], ids=["MHA", "GVA"])
+def test_gdn_matches_naive(fn, HV):
+    x = inputs(1, H=2, HV=HV)
+    q, k, v, g, beta, h0 = x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"]
+    ref = ref_gdn(q, k, v, g, beta, h0=h0)
+    if fn == "chunk":
+        got = dfla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    else:
+        got = dfla.fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0,
+                                                    output_final_state=True)
+    close(got, ref)
+    # no initial state, no final state, explicit scale
+    got = dfla.chunk_gated_delta_rule(q, k, v, g, beta, scale=0.3)
+    close(got, ref_gdn(q, k, v, g, beta, scale=0.3, final=False))
+
+
+def test_gdn_fused_optional_gates():
+    """fused_recurrent_gated_delta_rule: beta defaults to ones, g optional, gk per-key, g + gk together."""
+    x = inputs(2)
+    q, k, v, g, gk, beta = x["q"], x["k"], x["v"], x["g"], x["gk"], x["beta"]
+    ones = torch.ones_like(beta)
+    close(dfla.fused_recurrent_gated_delta_rule(q, k, v, g=g, output_final_state=True),
+          ref_gdn(q, k, v, g, ones))
+    close(dfla.fused_recurrent_gated_delta_rule(q, k, v, beta=beta, output_final_state=True),
+          ref_gdn(q, k, v, torch.zeros_like(g), beta))
+    close(dfla.fused_recurrent_gated_delta_rule(q, k, v, gk=gk, beta=beta, output_final_state=True),
+          ref_kda(q, k, v, gk, beta))
+    close(dfla.fused_recurrent_gated_delta_rule(q, k, v, g=g, gk=gk, beta=beta, output_final_state=True),
+          ref_kda(q, k, v, gk + g[..., None], beta))
+
+
+@pytest.mark.parametrize("fn", ["chunk", "fused"])
+def test_gdn_gate_l2norm_sigmoid_in_kernel(fn):
+    x = inputs(3, H=2, HV=4, normalize=False)
+    q, k, v, h0 = x["q"], x["k"], x["v"], x["h0"]
+    raw, A_log, dt_bias, logits = x["raw"], x["A_log"], x["dt_bias"], x["logits"]
+    f = dfla.chunk_gated_delta_rule if fn == "chunk" else dfla.fused_recurrent_gated_delta_rule
+    kw = dict(g=raw, beta=logits, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+              use_gate_in_kernel=True, A_log=A_log, use_beta_sigmoid_in_kernel=True)
+    qn, kn = fla_l2norm(q), fla_l2norm(k)
+    for bias in (dt_bias, None):
+        got = f(q, k, v, dt_bias=bias, **kw)
+        close(got, ref_gdn(qn, kn, v, naive_gdn_gate(raw, A_log, bias), torch.sigmoid(logits), h0=h0))
+    got = f(q, k, v, dt_bias=dt_bias, allow_neg_eigval=True, **kw)
+    close(got, ref_gdn(qn, kn, v, naive_gdn_gate(raw, A_log, dt_bias), 2 * torch.sigmoid(logits), h0=h0))
+
+
+def test_gdn_fused_gate_in_kernel_with_gk():
+    """use_gate_in_kernel acts on g only; gk stays a log decay (fla's fused kernel)."""
+    x = inputs(4)
+    q, k, v, gk, beta = x["q"], x["k"], x["v"], x["gk"], x["beta"]
+    raw, A_log, dt_bias = x["raw"], x["A_log"], x["dt_bias"]
+    got = dfla.fused_recurrent_gated_delta_rule(q, k, v, g=raw, gk=gk, beta=beta, output_final_state=True,
+                                                use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    close(got, ref_kda(q, k, v, gk + naive_gdn_gate(raw, A_log, dt_bias)[..., None], beta))
+
+
+# --- KDA -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fn", ["chunk", "fused"])
+@pytest.mark.parametrize("HV", [2, 4], ids=["MHA", "GVA"])
+def test_kda_matches_naive(fn, HV):
+    x = inputs(5, H=2, HV=HV)
+    q, k, v, gk, beta, h0 = x["q"], x["k"], x["v"], x["gk"], x["beta"], x["h0"]
+    f = dfla.chunk_kda if fn == "chunk" else dfla.fused_recurrent_kda
+    close(f(q, k, v, gk, beta, initial_state=h0, output_final_state=True), ref_kda(q, k, v, gk, beta, h0=h0))
+    close(f(q, k, v, gk, beta), ref_kda(q, k, v, gk, beta, final=False))
+
+
+@pytest.mark.parametrize("fn", ["chunk", "fused"])
+def test_kda_gate_l2norm_sigmoid_in_kernel(fn):
+    x = inputs(6, H=2, HV=4, normalize=False)
+    q, k, v, h0 = x["q"], x["k"], x["v"], x["h0"]
+    raw, A_log, dt_bias, logits = x["raw_k"], x["A_log"], x["dt_bias_k"], x["logits"]
+    f = dfla.chunk_kda if fn == "chunk" else dfla.fused_recurrent_kda
+    qn, kn = fla_l2norm(q), fla_l2norm(k)
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+              use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    for bias in (dt_bias, None, dt_bias.view(4, -1)):
+        got = f(q, k, v, raw, logits, A_log=A_log, dt_bias=bias, **kw)
+        gate = naive_kda_gate(raw, A_log, None if bias is None else bias.reshape(-1))
+        close(got, ref_kda(qn, kn, v, gate, torch.sigmoid(logits), h0=h0))
+    # fla's bounded gate: lower_bound * sigmoid(exp(A_log) * (g + dt_bias)); A_log may be None
+    for a in (A_log, None):
+        got = f(q, k, v, raw, logits, A_log=a, dt_bias=dt_bias, lower_bound=-3.0, allow_neg_eigval=True, **kw)
+        gate = naive_kda_lowerbound_gate(raw, a, dt_bias, lower_bound=-3.0)
+        close(got, ref_kda(qn, kn, v, gate, 2 * torch.sigmoid(logits), h0=h0))
+
+
+def test_kda_gate_options_ignored_without_gate_in_kernel():
+    """As in fla, A_log / dt_bias / lower_bound do nothing unless use_gate_in_kernel=True."""
+    x = inputs(7)
+    q, k, v, gk, beta = x["q"], x["k"], x["v"], x["gk"], x["beta"]
+    got = dfla.chunk_kda(q, k, v, gk, beta, A_log=x["A_log"], dt_bias=x["dt_bias_k"], lower_bound=-2.0,
+                         output_final_state=True)
+    close(got, ref_kda(q, k, v, gk, beta))
+
+
+# --- GDN-2 -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fn", ["chunk", "fused"])
+@pytest.mark.parametrize("HV", [2, 4], ids=["MHA", "GVA"])
+def test_gdn2_matches_naive(fn, HV):
+    x = inputs(8, H=2, HV=HV)
+    q, k, v, gk, b, w, h0 = x["q"], x["k"], x["v"], x["gk"], x["b"] * 2, x["w"], x["h0"]
+    f = dfla.chunk_gdn2 if fn == "chunk" else dfla.fused_recurrent_gdn2
+    close(f(q, k, v, gk, b, w, initial_state=h0, output_final_state=True),
+          ref_gdn2(q, k, v, gk, b, w, h0=h0))
+    close(f(q, k, v, gk, b, w, scale=0.5), ref_gdn2(q, k, v, gk, b, w, scale=0.5, final=False))
+
+
+@pytest.mark.parametrize("fn", ["chunk", "fused"])
+def test_gdn2_gate_l2norm_in_kernel(fn):
+    x = inputs(9, normalize=False)
+    q, k, v, b, w = x["q"], x["k"], x["v"], x["b"], x["w"]
+    raw, A_log, dt_bias = x["raw_k"], x["A_log"], x["dt_bias_k"]
+    f = dfla.chunk_gdn2 if fn == "chunk" else dfla.fused_recurrent_gdn2
+    qn, kn = fla_l2norm(q), fla_l2norm(k)
+    got = f(q, k, v, raw, b, w, A_log=A_log, dt_bias=dt_bias, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
+    close(got, ref_gdn2(qn, kn, v, naive_kda_gate(raw, A_log, dt_bias), b, w))
+    got = f(q, k, v, raw, b, w, A_log=A_log, dt_bias=dt_bias, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-4.0)
+    close(got, ref_gdn2(qn, kn, v, naive_kda_lowerbound_gate(raw, A_log, dt_bias, lower_bound=-4.0), b, w))
+
+
+def test_gdn2_reduces_to_kda():
+    x = inputs(10, H=2, HV=4)
+    q, k, v, gk, beta = x["q"], x["k"], x["v"], x["gk"], x["beta"]
+    bb, ww = (beta[..., None].expand(*beta.shape, n).contiguous() for n in (16, 32))
+    close(dfla.fused_recurrent_gdn2(q, k, v, gk, bb, ww, output_final_state=True),
+          dfla.fused_recurrent_kda(q, k, v, gk, beta, output_final_state=True))
+
+
+# --- varlen, state layout ---------------------------------------------------------------------
+
+CU = torch.tensor([0, 9, 9, 40, 70])       # 4 sequences, one empty
+
+
+@pytest.mark.parametrize("fn", ["chunk", "fused"])
+@pytest.mark.parametrize("family", ["gdn", "kda", "gdn2"])
+def test_varlen(family, fn):
+    x = inputs(11, B=1, T=70, H=2, HV=4, K=16, V=8)
+    q, k, v, h0 = x["q"], x["k"], x["v"], torch.randn(4, 4, 16, 8, generator=x["gen"])
+    if family == "gdn":
+        gates = (x["g"], x["beta"])
+        ref = ref_varlen(ref_gdn, CU, q, k, v, *gates, h0=h0)
+        f = dfla.chunk_gated_delta_rule if fn == "chunk" else (
+            lambda *a, **kw: dfla.fused_recurrent_gated_delta_rule(*a[:3], g=a[3], beta=a[4], **kw))
+    elif family == "kda":
+        gates = (x["gk"], x["beta"])
+        ref = ref_varlen(ref_kda, CU, q, k, v, *gates, h0=h0)
+        f = dfla.chunk_kda if fn == "chunk" else dfla.fused_recurrent_kda
+    else:
+        gates = (x["gk"], x["b"], x["w"])
+        ref = ref_varlen(ref_gdn2, CU, q, k, v, *gates, h0=h0)
+        f = dfla.chunk_gdn2 if fn == "chunk" else dfla.fused_recurrent_gdn2
+    got = f(q, k, v, *gates, initial_state=h0, output_final_state=True, cu_seqlens=CU)
+    close(got, ref)
+    assert torch.equal(got[1][1], h0[1])            # the empty sequence passes its state through
+
+
+@pytest.mark.parametrize("fn", ["chunk_kda", "fused_recurrent_kda", "chunk_gated_delta_rule",
+                                "fused_recurrent_gdn2"])
+def test_state_v_first(fn):
+    x = inputs(12, H=2, HV=4)
+    q, k, v, h0 = x["q"], x["k"], x["v"], x["h0"]
+    gates = {"chunk_kda": (x["gk"], x["beta"]), "fused_recurrent_kda": (x["gk"], x["beta"]),
+             "chunk_gated_delta_rule": (x["g"], x["beta"]), "fused_recurrent_gdn2": (x["gk"], x["b"], x["w"])}[fn]
+    f = getattr(dfla, fn)
+    o_kv, s_kv = f(q, k, v, *gates, initial_state=h0, output_final_state=True)
+    o_vk, s_vk = f(q, k, v, *gates, initial_state=h0.transpose(-1, -2).contiguous(), output_final_state=True,
+                   state_v_first=True)
+    assert s_vk.shape == (2, 4, 32, 16)
+    assert rel(o_vk, o_kv) < TOL and rel(s_vk.transpose(-1, -2), s_kv) < TOL
+    with pytest.warns(DeprecationWarning):
+        _, s_dep = f(q, k, v, *gates, initial_state=h0.transpose(-1, -2).contiguous(),
+                         output_final_state=True, transpose_state_layout=True)
+    assert torch.equal(s_dep, s_vk)
+
+
+# --- chunk vs fused_recurrent, dtypes, the bound ---------------------------------------------
+
+def test_chunk_and_fused_agree():
+    x = inputs(13, B=2, T=70, H=2, HV=4, normalize=False)
+    q, k, v, h0 = x["q"], x["k"], x["v"], x["h0"]
+    common = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    pairs = [
+        (dfla.chunk_gated_delta_rule(q, k, v, x["g"], x["beta"], **common),
+         dfla.fused_recurrent_gated_delta_rule(q, k, v, g=x["g"], beta=x["beta"], **common)),
+        (dfla.chunk_gated_delta_rule(q, k, v, x["raw"], x["logits"], use_gate_in_kernel=True, A_log=x["A_log"],
+                                     dt_bias=x["dt_bias"], use_beta_sigmoid_in_kernel=True, chunk_size=16,
+                                     **common),
+         dfla.fused_recurrent_gated_delta_rule(q, k, v, g=x["raw"], beta=x["logits"], use_gate_in_kernel=True,
+                                               A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                               use_beta_sigmoid_in_kernel=True, **common)),
+        (dfla.chunk_kda(q, k, v, x["raw_k"], x["beta"], use_gate_in_kernel=True, A_log=x["A_log"],
+                        dt_bias=x["dt_bias_k"], chunk_size=32, **common),
+         dfla.fused_recurrent_kda(q, k, v, x["raw_k"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias_k"],
+                                  use_gate_in_kernel=True, **common)),
+        (dfla.chunk_kda(q, k, v, x["raw_k"], x["logits"], use_gate_in_kernel=True, A_log=x["A_log"],
+                        safe_gate=True, lower_bound=-5.0, use_beta_sigmoid_in_kernel=True, **common),
+         dfla.fused_recurrent_kda(q, k, v, x["raw_k"], x["logits"], A_log=x["A_log"], lower_bound=-5.0,
+                                  use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, **common)),
+        (dfla.chunk_gdn2(q, k, v, x["gk"], x["b"], x["w"], **common),
+         dfla.fused_recurrent_gdn2(q, k, v, x["gk"], x["b"], x["w"], **common)),
+    ]
+    for (o1, s1), (o2, s2) in pairs:
+        assert rel(o1, o2) < TOL and rel(s1, s2) < TOL
+
+
+def test_dtypes():
+    """o: q's dtype for chunk_*, v's for fused_recurrent_*; the final state is float32."""
+    x = inputs(14)
+    q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
+    o, s = dfla.chunk_gated_delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(),
+                                       initial_state=x["h0"].bfloat16(), output_final_state=True)
+    assert o.dtype == torch.bfloat16 and s.dtype == F32
+    o_ref, s_ref = ref_gdn(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(),
+                           h0=x["h0"].bfloat16().float())
+    assert rel(o.float(), o_ref) < 1e-2 and rel(s, s_ref) < 1e-2
+    # mixed input dtypes: read in float32, like fla's kernels
+    o, _ = dfla.chunk_gated_delta_rule(q.half(), k.half(), v, g, beta)
+    assert o.dtype == torch.float16
+    o, _ = dfla.fused_recurrent_gated_delta_rule(q.half(), k.half(), v, g=g, beta=beta)
+    assert o.dtype == F32
+    assert rel(o, ref_gdn(q.half().float(), k.half().float(), v, g, beta, final=False)[0]) < TOL
+
+
+def test_initial_state_untouched_and_not_returned():
+    x = inputs(15)
+    h0 = x["h0"]
+    keep = h0.clone()
+    _, s = dfla.fused_recurrent_kda(x["q"][:, :0], x["k"][:, :0], x["v"][:, :0], x["gk"][:, :0],
+                                    x["beta"][:, :0], initial_state=h0, output_final_state=True)
+    assert torch.equal(s, keep) and s.untyped_storage().data_ptr() != h0.untyped_storage().data_ptr()
+    dfla.chunk_kda(x["q"], x["k"], x["v"], x["gk"], x["beta"], initial_state=h0, output_final_state=True)
+    assert torch.equal(h0, keep)
+
+
+def test_bound_discriminates():
+    """The 1e-5 comparisons fail on a wrong mapping: a missed sigmoid, l2norm, gate or head mapping."""
+    x = inputs(16, H=2, HV=4, normalize=False)
+    q, k, v = x["q"], x["k"], x["v"]
+    o, _ = dfla.chunk_gated_delta_rule(q, k, v, x["g"], x["logits"], use_beta_sigmoid_in_kernel=True,
+                                       use_qk_l2norm_in_kernel=True)
+    good = ref_gdn(fla_l2norm(q), fla_l2norm(k), v, x["g"], torch.sigmoid(x["logits"]), final=False)[0]
+    assert rel(o, good) < TOL
+    for wrong in (
+        ref_gdn(fla_l2norm(q), fla_l2norm(k), v, x["g"], 2 * torch.sigmoid(x["logits"]), final=False)[0],
+        ref_gdn(q, k, v, x["g"], torch.sigmoid(x["logits"]), final=False)[0],
+        ref_gdn(fla_l2norm(q), fla_l2norm(k), v, 0.9 * x["g"], torch.sigmoid(x["logits"]), final=False)[0],
+        ref_gdn(fla_l2norm(q), fla_l2norm(k).flip(2), v, x["g"], torch.sigmoid(x["logits"]), final=False)[0],
+    ):
+        assert rel(o, wrong) > 100 * TOL
+
+
+# --- what deltarule cannot honour --------------------------------------------------------------
+
+def test_contract_errors():
+    x = inputs(17, H=2, HV=4)
+    q, k, v, g, gk, beta = x["q"], x["k"], x["v"], x["g"], x["gk"], x["beta"]
+    per_value_beta = torch.rand(*v.shape)
+
+    def raises(argument, f, *a, **kw):
+        with pytest.raises(deltarule.ContractError) as e:
+            f(*a, **kw)
+        assert argument in e.value.argument, e.value
+        assert isinstance(e.value, ValueError)
+
+    raises("gv", dfla.fused_recurrent_gated_delta_rule, q, k, v, g=g, gv=torch.zeros_like(v), beta=beta)
+    raises("beta", dfla.fused_recurrent_gated_delta_rule, q, k, v, g=g, beta=per_value_beta)
+    raises("beta", dfla.fused_recurrent_kda, q, k, v, gk, per_value_beta)
+    raises("cp_context", dfla.chunk_kda, q, k, v, gk, beta, cp_context=object())
+    raises("return_intermediate_states", dfla.chunk_gdn2, q, k, v, gk, x["b"], x["w"],
+           return_intermediate_states=True)
+    raises("not_an_fla_arg", dfla.chunk_kda, q, k, v, gk, beta, not_an_fla_arg=1)
+    raises("ssm_state_indices", dfla.fused_recurrent_kda, q, k, v, gk, beta, ssm_state_indices=torch.arange(2))
+    raises("head_first", dfla.chunk_gated_delta_rule, q, k, v, g, beta, head_first=False)
+    raises("chunk_size", dfla.chunk_kda, q, k, v, gk, beta, chunk_size=16)
+    raises("chunk_size", dfla.chunk_gdn2, q, k, v, gk, x["b"], x["w"], chunk_size=32)
+    raises("allow_neg_eigval", dfla.chunk_gated_delta_rule, q, k, v, g, beta, allow_neg_eigval=True)
+    raises("A_log", dfla.chunk_gated_delta_rule, q, k, v, g, beta, use_gate_in_kernel=True)
+    # fla's fused KDA kernel would silently use A_log = 1 here (-e * softplus); chunk_kda raises
+    raises("A_log", dfla.fused_recurrent_kda, q, k, v, gk, beta, use_gate_in_kernel=True)
+    raises("dt_bias", dfla.chunk_kda, q, k, v, gk, beta, use_gate_in_kernel=True, A_log=x["A_log"],
+           dt_bias=torch.zeros(4))
+    raises("lower_bound", dfla.chunk_kda, q, k, v, gk, beta, use_gate_in_kernel=True, safe_gate=True,
+           lower_bound=-6.0)
+    raises("k", dfla.chunk_kda, q, k[:, :, :1], v, gk, beta)                 # fla: q and k share heads
+    raises("transpose_state_layout", dfla.chunk_kda, q, k, v, gk, beta, state_v_first=True,
+           transpose_state_layout=True)
+    raises("cu_seqlens", dfla.chunk_kda, q, k, v, gk, beta, cu_seqlens=torch.tensor([0, 5, 37]))  # B == 2
+    raises("initial_state", dfla.fused_recurrent_gdn2, q[:1], k[:1], v[:1], gk[:1], x["b"][:1], x["w"][:1],
+           cu_seqlens=torch.tensor([0, 5, 37]), initial_state=torch.zeros(1, 4, 16, 32))
+    raises("cu_seqlens_cpu", dfla.chunk_gated_delta_rule, q[:1], k[:1], v[:1], g[:1], beta[:1],
+           cu_seqlens=torch.tensor([0, 5, 37]), cu_seqlens_cpu=torch.tensor([0, 6, 37]))
