@@ -95,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--case", action="append", default=None,
                         help="only cases whose name contains this (repeatable)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--peers", action="store_true",
+                        help="also compare the contract adapters with ONNX Runtime, ONNX's reference "
+                             "evaluator and flash-linear-attention (skipped where not installed)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -112,4 +115,20 @@ def main(args: argparse.Namespace) -> int:
                   flush=True)
     failed = sum(not r.passed for r in results)
     print(f"backend {args.backend}: {len(results) - failed} passed, {failed} failed")
+    if args.peers:
+        failed += _check_peers()
     return 1 if failed else 0
+
+
+def _check_peers() -> int:
+    from .peers import run_checks
+
+    print(f"\n{'contract adapter vs its runtime':<68} {'max err':>9} {'tol':>8}  result")
+    failed = 0
+    for r in run_checks():
+        if r.skipped:
+            print(f"{r.name:<68} {'':>9} {r.tol:8.0e}  skipped: {r.skipped}")
+            continue
+        failed += not r.passed
+        print(f"{r.name:<68} {max(r.errors.values()):9.2e} {r.tol:8.0e}  {'pass' if r.passed else 'FAIL'}")
+    return failed

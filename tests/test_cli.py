@@ -37,3 +37,22 @@ def test_check_fails_on_a_wrong_backend_result(capsys, monkeypatch):
 def test_python_dash_m_entry_point():
     out = subprocess.run([sys.executable, "-m", "deltarule", "info"], capture_output=True, text=True, check=True)
     assert "reference" in out.stdout
+
+
+def test_check_peers_compares_adapters_with_their_runtimes(capsys):
+    import pytest
+    pytest.importorskip("onnxruntime", reason="the peer runtime onnxruntime is not installed")
+    assert main(["check", "--backend", "torch", "--case", "slab-all-padding", "--peers"]) == 0
+    out = capsys.readouterr().out
+    assert "ort.GatedDeltaNet" in out and "onnx.LinearAttention-27" in out and "FAIL" not in out
+
+
+def test_check_peers_reports_a_missing_runtime_as_skipped(capsys, monkeypatch):
+    import deltarule.peers as peers
+
+    def missing(*args, **kwargs):
+        raise peers.PeerMissing("onnxruntime is not installed")
+
+    monkeypatch.setattr(peers, "run_onnx_node", missing)
+    main(["check", "--backend", "torch", "--case", "slab-all-padding", "--peers"])
+    assert "skipped: onnxruntime is not installed" in capsys.readouterr().out

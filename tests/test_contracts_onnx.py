@@ -18,6 +18,7 @@ import torch
 import deltarule
 from deltarule import ContractError
 from deltarule.contracts import onnx as donnx
+from deltarule.peers import run_onnx_node
 
 F32_TOL, F16_TOL = 2e-5, 1e-2
 RULES = ("linear", "gated", "delta", "gated_delta")
@@ -42,24 +43,10 @@ def rng_for(request) -> np.random.Generator:
 def reference(q, k, v, past=None, decay=None, beta=None, **attrs):
     """Run ONNX's reference implementation of LinearAttention-27 on one node."""
     pytest.importorskip("onnx", reason="onnx (the reference implementation) is not installed")
-    from onnx import helper
-    from onnx.reference import ReferenceEvaluator
-
     inputs = [("query", q), ("key", k), ("value", v), ("past_state", past), ("decay", decay), ("beta", beta)]
-    names = [name if x is not None else "" for name, x in inputs]
-    while names and not names[-1]:
-        names.pop()
-    node = helper.make_node("LinearAttention", names, ["output", "present_state"], **attrs)
-    ttype = lambda x: helper.np_dtype_to_tensor_dtype(np.dtype(x.dtype))
-    state_elem = ttype(past if past is not None else q)
-    graph = helper.make_graph(
-        [node], "linear_attention",
-        [helper.make_tensor_value_info(name, ttype(x), list(x.shape)) for name, x in inputs if x is not None],
-        [helper.make_tensor_value_info("output", ttype(q), None),
-         helper.make_tensor_value_info("present_state", state_elem, None)],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 27)])
-    return ReferenceEvaluator(model).run(None, {name: x for name, x in inputs if x is not None})
+    state_dtype = (past if past is not None else q).dtype
+    return run_onnx_node("LinearAttention", inputs, [("output", q.dtype), ("present_state", state_dtype)],
+                         runtime="reference", **attrs)
 
 
 def make_inputs(rng, *, rule, heads, decay_form="per-head", past=True, beta_form="per-head",

@@ -17,6 +17,7 @@ import torch
 import deltarule
 from deltarule import ContractError
 from deltarule.contracts import ort as dort
+from deltarule.peers import run_onnx_node
 
 F32_TOL, F16_TOL = 2e-5, 1e-2
 RULES = ("linear", "gated", "delta", "gated_delta")
@@ -59,32 +60,10 @@ def betas(rng, *shape):
 
 
 def run_ort(op, inputs, outputs, **attrs):
-    """Run a one-node com.microsoft model on ORT's CPU EP.
-
-    inputs: [(name, array or None)] in the operator's input order (None = omitted);
-    outputs: [(name, numpy dtype)].
-    """
-    ort = pytest.importorskip("onnxruntime", reason="the peer runtime onnxruntime is not installed")
-    onnx = pytest.importorskip("onnx", reason="onnx (to build the peer model) is not installed")
-    from onnx import helper
-
-    names = [name if x is not None else "" for name, x in inputs]
-    while names and not names[-1]:
-        names.pop()
-    node = helper.make_node(op, names, [name for name, _ in outputs], domain="com.microsoft", **attrs)
-    graph = helper.make_graph(
-        [node], op,
-        [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(x.dtype), list(x.shape))
-         for name, x in inputs if x is not None],
-        [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(dt)), None)
-         for name, dt in outputs],
-    )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 27), helper.make_opsetid("com.microsoft", 1)],
-        ir_version=11,
-    )
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, {name: x for name, x in inputs if x is not None})
+    """Run a one-node com.microsoft model on ORT's CPU EP (see deltarule.peers.run_onnx_node)."""
+    pytest.importorskip("onnxruntime", reason="the peer runtime onnxruntime is not installed")
+    pytest.importorskip("onnx", reason="onnx (to build the peer model) is not installed")
+    return run_onnx_node(op, inputs, outputs, domain="com.microsoft", **attrs)
 
 
 def gdn_peer(q, k, v, cu=None, decay=None, beta=None, s0=None, a_log=None, dt_bias=None, **attrs):
