@@ -78,3 +78,11 @@ def test_bench_command_prints_table_and_writes_json_and_plot(tmp_path, capsys):
 def test_bench_unknown_case_exits_2(capsys):
     assert cli.main(["bench", "--case", "no-such-case"]) == 2
     assert "no bench case matches" in capsys.readouterr().err
+
+
+def test_crossover_table_runs(capsys):
+    from deltarule.bench import crossover
+
+    crossover.main(["--batch", "1", "--lengths", "1,3", "--heads", "1"])
+    out = capsys.readouterr().out
+    assert "torch chunked" in out and len(out.strip().splitlines()) == 3

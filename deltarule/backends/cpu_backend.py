@@ -15,8 +15,9 @@ NAME = "cpu"
 DESCRIPTION = "fused numba recurrence (decode, short sequences) + torch chunked prefill"
 SUPPORTS = dict(EVERYTHING, devices="CPU tensors")
 # Sequences up to this many tokens take the fused recurrence, longer ones the
-# chunked kernel (crossover measured on the 16-head layer, docs/performance.md).
-RECURRENT_MAX_LEN = 16
+# chunked kernel: on the 16-head K = V = 128 layer the fused recurrence wins up
+# to T = 48 at B = 8 and ties at T = 64 for B = 1 (docs/performance.md).
+RECURRENT_MAX_LEN = 48
 
 
 def available() -> bool:

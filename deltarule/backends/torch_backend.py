@@ -14,7 +14,8 @@ NAME = "torch"
 DESCRIPTION = "chunked (WY/UT) prefill + recurrent decode in torch ops"
 SUPPORTS = dict(EVERYTHING, devices="any torch device")
 # Sequences up to this many tokens run token by token: below it the chunked
-# form's intra-chunk work costs more than it saves (measured in docs/performance.md).
+# form's intra-chunk work costs more than it saves (crossover between T = 16
+# and 32 on the 16-head K = V = 128 layer on CPU, docs/performance.md).
 RECURRENT_MAX_LEN = 16
 
 
