@@ -224,17 +224,28 @@ def test_gated_delta_net_float16_matches_ort(request, form, gate_dtype):
     assert_close(got, gdn_peer_of(x), F16_TOL)
 
 
-@pytest.mark.parametrize("cu", [[2, 20], [0, 12], [0, 12, 8, 20], [0, 5, 30], [-1, 20]],
-                         ids=["start-not-0", "end-short", "decreasing", "past-the-end", "negative"])
-def test_gated_delta_net_cu_seqlens_rejected_like_ort(request, cu):
-    """onnxruntime's CPU kernel rejects these (it does not clamp); so does the adapter."""
+@pytest.mark.parametrize("cu,clamped", [([0, 5, 30], [0, 5, 20]), ([-1, 20], [0, 20]),
+                                        ([-3, 7, 7, 99], [0, 7, 7, 20])],
+                         ids=["past-the-end", "negative", "both-ends"])
+def test_gated_delta_net_cu_seqlens_are_clamped(request, cu, clamped):
+    """The card's clamping: equal to ORT on the clamped offsets, which its CPU kernel requires."""
     ort = pytest.importorskip("onnxruntime", reason="the peer runtime onnxruntime is not installed")
-    x = gdn_inputs(rng_for(request), form="varlen", rule="gated_delta", Hq=1, ratio=1, state=False)
+    x = gdn_inputs(rng_for(request), form="varlen", rule="gated_delta", Hq=1, ratio=2, state=False)
     x["cu"] = np.array(cu, np.int32)
     with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail, match="cu_seqlens"):
-        gdn_peer_of(x)
-    with pytest.raises(ContractError, match="cu_seqlens"):
-        gdn_adapter(x)
+        gdn_peer_of(x)                            # ORT's CPU kernel rejects what the card clamps
+    got = gdn_adapter(x)
+    x["cu"] = np.array(clamped, np.int32)
+    assert_close(got, gdn_peer_of(x), F32_TOL)
+
+
+def test_gated_delta_net_decreasing_cu_seqlens_give_empty_requests(request):
+    x = gdn_inputs(rng_for(request), form="varlen", rule="gated_delta", Hq=1, ratio=1, state=False)
+    x["cu"] = np.array([0, 12, 8, 20], np.int32)
+    _, state = gdn_adapter(x)
+    assert np.array_equal(state[1], np.zeros_like(state[1]))    # [12, 8): empty, zero state through
+    _, state_first = gdn_adapter(dict(x, cu=np.array([0, 12, 20], np.int32)))
+    assert rel(state[0], state_first[0]) < F32_TOL                 # request 0 is unchanged
 
 
 # ---------------------------------------------------------------------------
