@@ -1,12 +1,17 @@
-"""Where short sequences should switch from the recurrence to chunks.
+"""Where short sequences should switch from the recurrence to chunks, and
+which chunk size the CPU prefers.
 
     python -m deltarule.bench.crossover --batch 1 --lengths 1,8,16,32,64,128,256
+    python -m deltarule.bench.crossover --chunk-sizes 32,64 --case qwen3-next-16h-prefill-4k
 
 Times the torch chunked, torch recurrent and cpu (numba) recurrent paths
 through `linear_attention` on the 16-head K = V = 128 layer (scalar g + beta,
 with an initial state), forcing each path with the backends'
 `RECURRENT_MAX_LEN`; prints the median ms per call. The thresholds in
 `backends/torch_backend.py` and `backends/cpu_backend.py` come from this table.
+With --chunk-sizes, times the torch backend's chunked kernel on bench.json
+cases at each chunk size, interleaved in one process (the cpu backend's
+CHUNK_SIZE comes from it).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 
 from .. import linear_attention
 from ..backends import cpu_backend, torch_backend
+from ..cases import bench_cases, make_inputs
 from .timing import measure
 
 PATHS = (
@@ -31,7 +37,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--lengths", default="1,8,16,32,64,128,256")
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--chunk-sizes", help="compare these chunk sizes instead (e.g. 32,64)")
+    parser.add_argument("--case", action="append", help="bench.json case for --chunk-sizes (repeatable)")
     args = parser.parse_args(argv)
+    if args.chunk_sizes:
+        chunk_sizes([int(c) for c in args.chunk_sizes.split(",")], args.case or ["qwen3-next-16h-prefill-4k"])
+        return
     B, H, K, V = args.batch, args.heads, 128, 128
     print(f"{'B':>3} {'T':>5}" + "".join(f" {name:>16}" for name, *_ in PATHS) + "   (median ms)")
     for T in (int(t) for t in args.lengths.split(",")):
@@ -52,6 +63,20 @@ def main(argv: list[str] | None = None) -> None:
                 module.RECURRENT_MAX_LEN = saved
             times.append(timing.median * 1e3)
         print(f"{B:>3} {T:>5}" + "".join(f" {t:16.2f}" for t in times), flush=True)
+
+
+def chunk_sizes(sizes: list[int], names: list[str], rounds: int = 5) -> None:
+    """Median ms of the torch backend per chunk size, rounds interleaved."""
+    for name in names:
+        case = next(c for c in bench_cases() if c["name"] == name)
+        inputs = make_inputs(case)
+        samples = {c: [] for c in sizes}
+        for _ in range(rounds):
+            for c in sizes:
+                samples[c].append(measure(lambda: linear_attention(**inputs, chunk_size=c, backend="torch"),
+                                          repeat=1, budget=0.0).median)
+        print(name, "  ".join(f"C={c}: {sorted(s)[len(s) // 2] * 1e3:.0f} ms" for c, s in samples.items()),
+              flush=True)
 
 
 if __name__ == "__main__":
