@@ -86,3 +86,10 @@ def test_crossover_table_runs(capsys):
     crossover.main(["--batch", "1", "--lengths", "1,3", "--heads", "1"])
     out = capsys.readouterr().out
     assert "torch chunked" in out and len(out.strip().splitlines()) == 3
+
+
+def test_chunk_size_table_runs(capsys):
+    from deltarule.bench import crossover
+
+    crossover.main(["--chunk-sizes", "16,32", "--case", "tiny-prefill"])
+    assert "C=16" in capsys.readouterr().out

@@ -73,7 +73,7 @@ def chunk_sizes(sizes: list[int], names: list[str], rounds: int = 5) -> None:
         samples = {c: [] for c in sizes}
         for _ in range(rounds):
             for c in sizes:
-                samples[c].append(measure(lambda: linear_attention(**inputs, chunk_size=c, backend="torch"),
+                samples[c].append(measure(lambda: linear_attention(**dict(inputs, chunk_size=c), backend="torch"),
                                           repeat=1, budget=0.0).median)
         print(name, "  ".join(f"C={c}: {sorted(s)[len(s) // 2] * 1e3:.0f} ms" for c, s in samples.items()),
               flush=True)
