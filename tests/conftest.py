@@ -18,11 +18,14 @@ def case_params(filter_=lambda case: True, dtypes=None):
     ]
 
 
-def rel(a, b) -> float:
-    a = a.detach().double().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, dtype=np.float64)
-    b = b.detach().double().numpy() if isinstance(b, torch.Tensor) else np.asarray(b, dtype=np.float64)
-    den = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / den) if den > 0 else float(np.linalg.norm(a))
+def rel(x, ref) -> float:
+    """||x - ref|| / ||ref|| in float64, NumPy or torch; same shapes; a zero ref is a test bug."""
+    x = x.detach().double().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)
+    ref = ref.detach().double().cpu().numpy() if isinstance(ref, torch.Tensor) else np.asarray(ref, dtype=np.float64)
+    assert x.shape == ref.shape, (x.shape, ref.shape)
+    den = np.linalg.norm(ref)
+    assert den > 0, "degenerate reference: the comparison could not fail"
+    return float(np.linalg.norm(x - ref) / den)
 
 
 @pytest.fixture

@@ -42,13 +42,10 @@ with warnings.catch_warnings():
 import deltarule
 from deltarule.contracts import fla as dfla
 
+from conftest import rel
+
 TOL = 1e-5
 F32 = torch.float32
-
-
-def rel(x, ref):
-    x, ref = x.double(), ref.double()
-    return ((x - ref).norm() / ref.norm()).item()
 
 
 def close(got, ref, tol=TOL):

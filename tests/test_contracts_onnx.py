@@ -20,20 +20,13 @@ from deltarule import ContractError
 from deltarule.contracts import onnx as donnx
 from deltarule.peers import run_onnx_node
 
+from conftest import rel
+
 F32_TOL, F16_TOL = 2e-5, 1e-2
 RULES = ("linear", "gated", "delta", "gated_delta")
 GATED = ("gated", "gated_delta")
 DELTA = ("delta", "gated_delta")
 HEADS = {"mha": (2, 2), "gqa": (4, 2), "mqa": (4, 1)}   # (q_num_heads, kv_num_heads)
-
-
-def rel(x, ref) -> float:
-    x = np.asarray(x, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    assert x.shape == ref.shape, (x.shape, ref.shape)
-    den = np.linalg.norm(ref)
-    assert den > 0, "degenerate reference"
-    return float(np.linalg.norm(x - ref) / den)
 
 
 def rng_for(request) -> np.random.Generator:

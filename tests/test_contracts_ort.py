@@ -19,6 +19,8 @@ from deltarule import ContractError
 from deltarule.contracts import ort as dort
 from deltarule.peers import run_onnx_node
 
+from conftest import rel
+
 F32_TOL, F16_TOL = 2e-5, 1e-2
 RULES = ("linear", "gated", "delta", "gated_delta")
 GATED = ("gated", "gated_delta")
@@ -28,15 +30,6 @@ DELTA = ("delta", "gated_delta")
 # ---------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------
-
-def rel(x, ref) -> float:
-    x = np.asarray(x, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    assert x.shape == ref.shape, (x.shape, ref.shape)
-    den = np.linalg.norm(ref)
-    assert den > 0, "degenerate reference"
-    return float(np.linalg.norm(x - ref) / den)
-
 
 def rng_for(request) -> np.random.Generator:
     """A generator seeded by the test id: reproducible, different per case."""

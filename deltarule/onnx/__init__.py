@@ -1,0 +1,45 @@
+"""deltarule and ONNX: the `ai.deltarule::LinearAttention` op and a runner that computes
+linear-attention nodes with deltarule.
+
+- `ai.deltarule::LinearAttention` (ops.py): ONNX LinearAttention-27 plus the
+  Gated DeltaNet-2 `erase_gate` / `write_gate` inputs, shipped with an ONNX
+  function body (a `Scan` of standard ops) so any ONNX runtime can run it:
+  `make_node`, `make_function`, `attach_functions`, `make_model`, `expand`,
+  `Config`;
+  `linear_attention` computes it with deltarule.
+- `run(model, feeds)` / `Session(model)` (runner.py): evaluate a model in ONNX
+  Runtime with every linear-attention node (`LinearAttention`-27,
+  `com.microsoft.GatedDeltaNet`, `com.microsoft.LinearAttention`,
+  `ai.deltarule::LinearAttention`) computed by deltarule instead.
+
+Needs the `onnx` package (and `onnxruntime` for `run` / `Session`). See docs/onnx.md.
+"""
+
+try:
+    import onnx as _onnx  # noqa: F401  (the top-level package, not this one)
+except ImportError as exc:                        # pragma: no cover - depends on the environment
+    raise ImportError("deltarule.onnx needs the 'onnx' package: pip install onnx") from exc
+
+from .ops import (
+    DOMAIN,
+    GATE_FORMS,
+    INPUTS,
+    OP_TYPE,
+    OUTPUTS,
+    VERSION,
+    Config,
+    attach_functions,
+    expand,
+    is_deltarule_node,
+    linear_attention,
+    make_function,
+    make_model,
+    make_node,
+)
+from .runner import LINEAR_ATTENTION_OPS, Session, is_linear_attention_node, run
+
+__all__ = [
+    "DOMAIN", "OP_TYPE", "VERSION", "INPUTS", "OUTPUTS", "GATE_FORMS", "Config",
+    "make_function", "make_node", "make_model", "attach_functions", "expand", "is_deltarule_node",
+    "linear_attention", "run", "Session", "LINEAR_ATTENTION_OPS", "is_linear_attention_node",
+]
