@@ -135,25 +135,29 @@ def _intra(q, k, v, lam, b, w):
                 A = ((k * b) @ kt).mul_(gamma)
     else:                                                             # per-key decay [.., C, K]
         Gc = lam.cumsum(-2)
-        M = _pairwise_per_key(q, k, Gc, strict=False)
+        G = q.shape[-3]
+        rows = q
+        if b is not None:                    # M's and A's rows share the decay factors: one pass
+            kb = k * (b if b.dim() == 5 else b[..., None])
+            rows = torch.cat([q, kb.unsqueeze(-3)], dim=-3)
+        P = _pairwise_per_key(rows, k, Gc)                             # strictly lower
+        M = P[..., :G, :, :]
+        M.diagonal(dim1=-2, dim2=-1).copy_((q * k.unsqueeze(-3)).sum(-1))   # Γ_rr = 1
+        A = P[..., G, :, :] if b is not None else None
         e_G = Gc.exp()
         q_dec = q * e_G.unsqueeze(-3)
         k_dec = k * (Gc[..., -1:, :] - Gc).exp_()
         s_dec = Gc[..., -1, :].exp()[..., None]
-        if b is not None:
-            kb = k * (b if b.dim() == 5 else b[..., None])
-            A = _pairwise_per_key(kb.unsqueeze(-3), k, Gc, strict=True).squeeze(-3)
 
     if A is None:
         return v.contiguous(), None, M, q_dec, k_dec, s_dec
     T = _unit_lower_inverse(A)
     # scalar gates scale T's columns (C x C) instead of V or K (C x V, C x K)
     U = (T * w[..., None, :]) @ v if w.dim() == 4 else T @ (v * w)
-    if b.dim() == 4 and e_G.dim() == 4:
-        Y = (T * (e_G * b)[..., None, :]) @ k
-    else:
-        kb = k * (b if b.dim() == 5 else b[..., None])
-        Y = T @ kb.mul_(e_G if e_G.dim() == 5 else e_G[..., None])
+    if e_G.dim() == 4:                                                # scalar decay
+        Y = (T * (e_G * b)[..., None, :]) @ k if b.dim() == 4 else T @ ((k * b) * e_G[..., None])
+    else:                                                             # per key: kb from above
+        Y = T @ (kb * e_G)
     return U, Y, M, q_dec, k_dec, s_dec
 
 
@@ -185,8 +189,8 @@ def _unit_lower_inverse(A):
     return T[..., :C, :C] if Cp != C else T
 
 
-def _pairwise_per_key(x, k, Gc, *, strict: bool):
-    """P[r, s] = sum_k x[r,k] exp(G[r,k] - G[s,k]) k[s,k] for s < r (or s <= r).
+def _pairwise_per_key(x, k, Gc):
+    """P[r, s] = sum_k x[r,k] exp(G[r,k] - G[s,k]) k[s,k] for s < r, zero elsewhere.
 
     x [.., R, C, K] (R row groups sharing k and G), k / Gc [.., C, K] ->
     [.., R, C, C], C a power of two. Recursive halving: at block size s, rows
@@ -210,6 +214,4 @@ def _pairwise_per_key(x, k, Gc, *, strict: bool):
         diag = out.view(*lead, R, m, 2, s, m, 2, s).diagonal(dim1=-6, dim2=-3)
         diag[..., 1, :, 0, :, :].copy_(block.movedim(-3, -1))
         s //= 2
-    if not strict:
-        out.diagonal(dim1=-2, dim2=-1).copy_((x * k.unsqueeze(-3)).sum(-1))
     return out
