@@ -7,7 +7,10 @@ Per chunk of C tokens with cumulative log decay G (from the chunk start):
     O = scale [(Q * exp(G)) S0 + M U]        S_C = exp(G_C) S0 + (K * exp(G_C - G))^T U
 
 A, M, Ũ and Y do not depend on the state: they are formed for a group of chunks
-at once (batched matrix products); the chunk-to-chunk loop is three products.
+at once (batched matrix products); the chunk-to-chunk loop is two in-place
+products and a decay per chunk, and the group's outputs are one batched
+product afterwards. With per-key decay, A and M come from a recursive-halving
+block factorisation (`_pairwise_per_key`).
 Every exponent is a difference G_r - G_s with r >= s (never exp of an unbounded
 cumulative sum). Memory is bounded by the group size, linear in T overall.
 
