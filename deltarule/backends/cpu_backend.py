@@ -39,21 +39,30 @@ def supports(p: Problem) -> str | None:
 
 def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     pk = _prepare.pack(p)
-    x = _prepare.operands(p, pk)
-    if pk.L <= RECURRENT_MAX_LEN:
-        o, S = _fused_recurrent(x, p.scale)
+    recurrent = pk.L <= RECURRENT_MAX_LEN
+    # A K-major slab is read and written where it lies (no gather, no scatter).
+    direct = recurrent and p.in_place and p.state_layout == "kv" and p.initial_state.is_contiguous()
+    x = _prepare.operands(p, pk, gather_states=not direct)
+    if direct:
+        slab = p.initial_state
+        slots = torch.tensor([s.slot for s in p.spans], dtype=torch.int64)
+        o = _fused_recurrent(x, p.scale, slab, slab, slots, in_place=True)
+        return _prepare.finish(p, pk, o, None)
+    if recurrent:
+        S = torch.empty_like(x.S0)
+        o = _fused_recurrent(x, p.scale, x.S0, S, torch.arange(p.N), in_place=False)
     else:
         o, S = chunked(x.q, x.k, x.v, x.lam, x.b, x.w, x.S0, p.scale, CHUNK_SIZE)
     return _prepare.finish(p, pk, o, S)
 
 
-def _fused_recurrent(x: _prepare.Operands, scale: float):
+def _fused_recurrent(x: _prepare.Operands, scale: float, S0, S, slots, *, in_place: bool):
+    """o [N, L, H, G, V]; sequence n's final state lands in S[slots[n]]."""
     from ..kernels.cpu_recurrent import recurrent_steps
 
     N, L, H, V = x.v.shape
-    G, K = x.q.shape[3], x.q.shape[4]
+    G = x.q.shape[3]
     o = torch.empty(N, L, H, G, V, dtype=torch.float32)
-    S = torch.empty_like(x.S0)
 
     def gate(t):
         if t is None:
@@ -65,6 +74,6 @@ def _fused_recurrent(x: _prepare.Operands, scale: float):
     b, has_b = gate(x.b)
     w, has_w = gate(x.w)
     recurrent_steps(x.q.contiguous().numpy(), x.k.contiguous().numpy(), x.v.contiguous().numpy(),
-                    lam, b, w, x.S0.contiguous().numpy(), S.numpy(), o.numpy(), np.float32(scale),
-                    has_lam, has_b, has_w)
-    return o, S
+                    lam, b, w, S0.contiguous().numpy(), S.numpy(), slots.numpy(), o.numpy(),
+                    np.float32(scale), has_lam, has_b, has_w, in_place)
+    return o

@@ -18,12 +18,15 @@ from numba import njit, prange
 
 
 @njit(parallel=True, cache=True)
-def recurrent_steps(q, k, v, lam, b, w, S0, S, o, scale, has_lam, has_b, has_w):
-    """L steps for every (sequence, head); writes o and the final states S.
+def recurrent_steps(q, k, v, lam, b, w, S0, S, slots, o, scale, has_lam, has_b, has_w, in_place):
+    """L steps for every (sequence, head); writes o and the final states.
 
     q [N, L, Hq', G, K], k [N, L, Hk, K], v [N, L, H, V] (Hq', Hk divide H);
     lam [N, L, H, 1 or K], b [N, L, H, 1 or K], w [N, L, H, 1 or V];
-    S0 [N, H, K, V] read only; S [N, H, K, V] and o [N, L, H, G, V] written.
+    sequence n starts from S0[slots[n]] and leaves its state in S[slots[n]]
+    (S0 [M, H, K, V] read only, S [M', H, K, V]); with `in_place`, S0 is S (a
+    state slab updated where it lies) and a negative slot marks padding: zero
+    output, no state touched. o [N, L, H, G, V] written.
     """
     N, L, H, V = v.shape
     K = k.shape[3]
@@ -35,8 +38,13 @@ def recurrent_steps(q, k, v, lam, b, w, S0, S, o, scale, has_lam, has_b, has_w):
         h = task % H
         hq = h // rq
         hk = h // rk
-        St = S[n, h]
-        St[:, :] = S0[n, h]
+        slot = slots[n]
+        if slot < 0:
+            o[n, :, h] = 0.0
+            continue
+        St = S[slot, h]
+        if not in_place:
+            St[:, :] = S0[slot, h]
         e = np.ones(K, dtype=np.float32)
         eb = np.zeros(K, dtype=np.float32)
         eq = np.empty((G, K), dtype=np.float32)
