@@ -1,9 +1,11 @@
 """Shared torch preparation: gates in float32, sequence packing, state gather/scatter.
 
-Every torch-based backend turns a `Problem` into the same sequence-major float32
-operands, runs its kernels, then hands the results back through `finish`:
+Every torch-based backend turns a `Problem` into the same token-major operands
+(gates and state float32; q, k, v in their input dtype, float32 after an in-kernel
+L2 norm: the kernels widen them in their first copy), runs its kernels, then hands
+the results back through `finish`:
 
-    q [N, L, Hq/G, G, K] k [N, L, Hk, K]   v [N, L, Hv, V]      (token-major)
+    q [N, L, Hq/G, G, K] k [N, L, Hk, K]   v [N, L, Hv, V]      (token-major, input dtype)
     (GVA: q and k keep their Hk heads, each serving Hv / Hk consecutive state heads;
      GQA: G = Hq / Hv query heads per state head)
     lam  None | [N, L, Hv] | [N, L, Hv, K]    log decay (g + gk, raw arm applied)
@@ -102,8 +104,9 @@ def operands(p: Problem, pk: Packing, gather_states: bool = True) -> Operands:
     """The kernels' operands; `S0` is None when `gather_states` is False (the
     backend reads the initial states itself, e.g. from a slab in place)."""
     f32 = torch.float32
-    q, k = p.q.to(f32), p.k.to(f32)
+    q, k = p.q, p.k                     # the kernels widen to float32 in their first copy
     if p.qk_l2norm:
+        q, k = q.to(f32), k.to(f32)
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + p.l2norm_eps)
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + p.l2norm_eps)
     G = p.G
@@ -122,7 +125,7 @@ def operands(p: Problem, pk: Packing, gather_states: bool = True) -> Operands:
     qs = seq(q)
     qs = qs.view(*qs.shape[:3], G, p.K)
     bs = seq(b)
-    return Operands(q=qs, k=seq(k), v=seq(p.v.to(f32)), lam=seq(lam), b=bs,
+    return Operands(q=qs, k=seq(k), v=seq(p.v), lam=seq(lam), b=bs,
                     w=bs if w is b else seq(w), S0=initial_states(p) if gather_states else None)
 
 

@@ -73,7 +73,8 @@ def _fused_recurrent(x: _prepare.Operands, scale: float, S0, S, slots, *, in_pla
     lam, has_lam = gate(x.lam)
     b, has_b = gate(x.b)
     w, has_w = gate(x.w)
-    recurrent_steps(x.q.contiguous().numpy(), x.k.contiguous().numpy(), x.v.contiguous().numpy(),
+    f32 = lambda t: t.to(torch.float32).contiguous().numpy()  # noqa: E731
+    recurrent_steps(f32(x.q), f32(x.k), f32(x.v),
                     lam, b, w, S0.contiguous().numpy(), S.numpy(), slots.numpy(), o.numpy(),
                     np.float32(scale), has_lam, has_b, has_w, in_place)
     return o

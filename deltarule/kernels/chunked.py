@@ -14,7 +14,7 @@ block factorisation (`_pairwise_per_key`).
 Every exponent is a difference G_r - G_s with r >= s (never exp of an unbounded
 cumulative sum). Memory is bounded by the group size, linear in T overall.
 
-Compute only: float32 token-major operands as described in
+Compute only: token-major operands as described in
 `deltarule.backends._prepare`; no validation.
 """
 
@@ -47,7 +47,7 @@ def chunked(q, k, v, lam, b, w, S, scale: float, chunk_size: int):
     per_chunk = N * H * (C * (4 * K + 3 * V + (G + 2) * C) + K * V
                          + (2 * C * K * (G + 2) if per_key else 0))
     group = max(1, GROUP_ELEMENTS // per_chunk)
-    o = q.new_empty(N, L, H, G, V)
+    o = torch.empty(N, L, H, G, V, dtype=torch.float32, device=q.device)
     NH = N * H
     for c0 in range(0, NC, group):
         n = min(group, NC - c0)
@@ -83,7 +83,7 @@ def _chunk_major(x, t0: int, n: int, C: int, H: int):
         return None
     N, L, Hx, *feat = x.shape
     r = H // Hx
-    out = x.new_empty(n, N, H, C, *feat)
+    out = torch.empty(n, N, H, C, *feat, dtype=torch.float32, device=x.device)   # widens fp16 / bf16
     # out as [N, n, C, Hx, r, *F], the token-major order of the source
     dst = out.view(n, N, Hx, r, C, *feat).permute(1, 0, 4, 2, 3, *range(5, out.dim() + 1))
     full = min(n, (L - t0) // C)

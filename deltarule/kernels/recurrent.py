@@ -8,7 +8,7 @@ Everything a step needs comes from the old state in one product
     o = scale * (p + (k . q) u)
     S = D S + k u^T                                  (in place on the working state)
 
-Compute only: float32 token-major operands as described in
+Compute only: token-major operands as described in
 `deltarule.backends._prepare`; no validation.
 """
 
@@ -21,7 +21,7 @@ def recurrent(q, k, v, lam, b, w, S, scale: float):
     """Run L steps of the generalized recurrence for all N x H heads at once.
 
     Args:
-        q: [N, L, Hq', G, K]; k: [N, L, Hk, K]; v: [N, L, H, V] float32, where
+        q: [N, L, Hq', G, K]; k: [N, L, Hk, K]; v: [N, L, H, V] (any float dtype), where
             Hq' and Hk divide H (GVA: each serves H / Hk consecutive heads).
         lam: None | [N, L, H] | [N, L, H, K] log decay.
         b: None | [N, L, H] | [N, L, H, K] erase gate; w: None | [N, L, H] |
@@ -31,6 +31,7 @@ def recurrent(q, k, v, lam, b, w, S, scale: float):
     Returns:
         o [N, L, H, G, V] float32 and the final state [N, H, K, V].
     """
+    q, k, v = q.float(), k.float(), v.float()
     N, L, Hk, K = k.shape
     H, V = v.shape[2], v.shape[3]
     G = q.shape[3]

@@ -1,0 +1,127 @@
+"""Fused token-by-token recurrence in Triton: decode and short sequences.
+
+One program per (value tile, sequence, state head): grid
+(cdiv(V, BV), N * H). The program keeps its [K, BV] float32 state tile in
+registers across the L tokens of its sequence. Per token it reads the old
+state once for both the retrieval and the output (ALGORITHM.md, "Decode"):
+
+    r = S'^T (b k),  p = S'^T q   with S' = D S, D = diag(exp(lam))
+    u = w v - r,     o = scale (p + (k . q) u),   S = S' + k u^T
+
+and stores the state once at the end. Columns of the state are independent,
+so value tiles need no communication.
+
+Compute only: float32 contiguous operands as described in
+`deltarule.backends._prepare`; absent gates are None; no validation. The
+kernel writes its state, so it is never autotuned. Under `TRITON_INTERPRET=1`
+(set before this module is imported) it runs on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _recurrent_kernel(
+    q, k, v, lam, b, w, S0, S, o,
+    scale, L, H, Hq, Hk, K, V,
+    G: tl.constexpr,
+    HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr,
+    HAS_ERASE: tl.constexpr, ERASE_PER_KEY: tl.constexpr,
+    HAS_WRITE: tl.constexpr, WRITE_PER_VALUE: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+):
+    """L steps of one [K, BV] state tile of state head h of sequence n.
+
+    q [N, L, Hq, G, K], k [N, L, Hk, K], v [N, L, H, V] (Hq, Hk divide H);
+    lam [N, L, H] or [N, L, H, K]; b [N, L, H] or [N, L, H, K];
+    w [N, L, H] or [N, L, H, V]; S0 [N, H, K, V] read once at the start;
+    S [N, H, K, V] written once at the end (may alias S0: each program
+    touches only its own tile); o [N, L, H, G, V].
+    """
+    i_v = tl.program_id(0).to(tl.int64)
+    i_nh = tl.program_id(1).to(tl.int64)
+    i_n = i_nh // H
+    i_h = i_nh % H
+    i_hq = i_h // (H // Hq)
+    i_hk = i_h // (H // Hk)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+
+    o_s = i_nh * K * V + o_k[:, None] * V + o_v[None, :]
+    b_s = tl.load(S0 + o_s, mask=m_s, other=0.0).to(tl.float32)
+
+    for t in range(L):
+        i_t = i_n * L + t                       # token row in the [N * L] token axis
+        b_k = tl.load(k + (i_t * Hk + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v + (i_t * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        if HAS_DECAY:
+            if DECAY_PER_KEY:
+                b_d = tl.exp(tl.load(lam + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32))
+            else:
+                b_d = tl.full([BK], 1.0, dtype=tl.float32) * tl.exp(tl.load(lam + i_t * H + i_h).to(tl.float32))
+        else:
+            b_d = tl.full([BK], 1.0, dtype=tl.float32)
+        if HAS_WRITE:
+            if WRITE_PER_VALUE:
+                b_u = b_v * tl.load(w + (i_t * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            else:
+                b_u = b_v * tl.load(w + i_t * H + i_h).to(tl.float32)
+        else:
+            b_u = b_v
+        if HAS_ERASE:
+            if ERASE_PER_KEY:
+                b_b = tl.load(b + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            else:
+                b_b = tl.load(b + i_t * H + i_h).to(tl.float32)
+            # retrieval from the old state: S'^T (b k) = S^T (exp(lam) b k)
+            b_u = b_u - tl.sum((b_d * b_b * b_k)[:, None] * b_s, axis=0)
+        for g in tl.static_range(G):
+            b_q = tl.load(q + ((i_t * Hq + i_hq) * G + g) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_p = tl.sum((b_d * b_q)[:, None] * b_s, axis=0)
+            b_o = scale * (b_p + tl.sum(b_k * b_q) * b_u)
+            tl.store(o + ((i_t * H + i_h) * G + g) * V + o_v, b_o, mask=m_v)
+        b_s = b_d[:, None] * b_s + b_k[:, None] * b_u[None, :]
+
+    tl.store(S + o_s, b_s, mask=m_s)
+
+
+def recurrent(q, k, v, lam, b, w, S0, scale: float, S=None):
+    """Run the fused recurrence; returns (o [N, L, H, G, V], S [N, H, K, V]), float32.
+
+    q [N, L, Hq, G, K], k [N, L, Hk, K], v [N, L, H, V]; lam, b: None,
+    [N, L, H] or [N, L, H, K]; w: None, [N, L, H] or [N, L, H, V];
+    S0 [N, H, K, V] float32. `S` is the output state buffer (default a new
+    tensor); passing `S0` itself updates the states in place.
+    """
+    N, L, H, V = v.shape
+    Hq, G, K = q.shape[2], q.shape[3], q.shape[4]
+    Hk = k.shape[2]
+    contig = lambda x: None if x is None else x.contiguous()  # noqa: E731
+    q, k, v, lam, b, w = map(contig, (q, k, v, lam, b, w))
+    S0 = S0.contiguous()
+    if S is None:
+        S = torch.empty_like(S0)
+    o = torch.empty(N, L, H, G, V, dtype=torch.float32, device=v.device)
+    if N * H == 0:
+        return o, S
+    BK = triton.next_power_of_2(K)
+    BV = min(64, triton.next_power_of_2(V))
+    grid = (triton.cdiv(V, BV), N * H)
+    _recurrent_kernel[grid](
+        q, k, v, lam, b, w, S0, S, o,
+        float(scale), L, H, Hq, Hk, K, V,
+        G=G,
+        HAS_DECAY=lam is not None, DECAY_PER_KEY=lam is not None and lam.dim() == 4,
+        HAS_ERASE=b is not None, ERASE_PER_KEY=b is not None and b.dim() == 4,
+        HAS_WRITE=w is not None, WRITE_PER_VALUE=w is not None and w.dim() == 4,
+        BK=BK, BV=BV,
+    )
+    return o, S
