@@ -93,3 +93,11 @@ def test_chunk_size_table_runs(capsys):
 
     crossover.main(["--chunk-sizes", "16,32", "--case", "tiny-prefill"])
     assert "C=16" in capsys.readouterr().out
+
+
+def test_scaling_table_runs(capsys):
+    from deltarule.bench import crossover
+
+    crossover.main(["--scaling", "32,64", "--case", "tiny-prefill"])
+    out = capsys.readouterr().out
+    assert "µs/token" in out and len(out.strip().splitlines()) == 3

@@ -3,6 +3,7 @@ which chunk size the CPU prefers.
 
     python -m deltarule.bench.crossover --batch 1 --lengths 1,8,16,32,64,128,256
     python -m deltarule.bench.crossover --chunk-sizes 32,64 --case qwen3-next-16h-prefill-4k
+    python -m deltarule.bench.crossover --scaling 1024,4096,32768 --case qwen3-next-16h-prefill-4k
 
 Times the torch chunked, torch recurrent and cpu (numba) recurrent paths
 through `linear_attention` on the 16-head K = V = 128 layer (scalar g + beta,
@@ -11,12 +12,16 @@ with an initial state), forcing each path with the backends'
 `backends/torch_backend.py` and `backends/cpu_backend.py` come from this table.
 With --chunk-sizes, times the torch backend's chunked kernel on bench.json
 cases at each chunk size, interleaved in one process (the cpu backend's
-CHUNK_SIZE comes from it).
+CHUNK_SIZE comes from it). With --scaling, times one case (default backend)
+at several T and prints µs per token and the growth of the process's peak RSS
+over a call at each T (run the largest T first in a fresh process for a clean
+peak).
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 
 import torch
 
@@ -38,8 +43,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", default="1,8,16,32,64,128,256")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--chunk-sizes", help="compare these chunk sizes instead (e.g. 32,64)")
-    parser.add_argument("--case", action="append", help="bench.json case for --chunk-sizes (repeatable)")
+    parser.add_argument("--scaling", help="sequence lengths for the scaling table (e.g. 1024,4096,32768)")
+    parser.add_argument("--case", action="append", help="bench.json case for --chunk-sizes / --scaling")
     args = parser.parse_args(argv)
+    if args.scaling:
+        scaling([int(t) for t in args.scaling.split(",")], (args.case or ["qwen3-next-16h-prefill-4k"])[0])
+        return
     if args.chunk_sizes:
         chunk_sizes([int(c) for c in args.chunk_sizes.split(",")], args.case or ["qwen3-next-16h-prefill-4k"])
         return
@@ -77,6 +86,23 @@ def chunk_sizes(sizes: list[int], names: list[str], rounds: int = 5) -> None:
                                           repeat=1, budget=0.0).median)
         print(name, "  ".join(f"C={c}: {sorted(s)[len(s) // 2] * 1e3:.0f} ms" for c, s in samples.items()),
               flush=True)
+
+
+def scaling(lengths: list[int], name: str) -> None:
+    """µs per token and peak-RSS growth per call of one case at several T."""
+    case = next(c for c in bench_cases() if c["name"] == name)
+    print(f"{name}: T, median ms, µs/token, inputs MiB, outputs MiB, peak RSS growth MiB")
+    for T in lengths:
+        inputs = make_inputs(dict(case, T=T))
+        in_mib = sum(x.numel() * x.element_size() for x in inputs.values() if isinstance(x, torch.Tensor)) / 2**20
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        o, state = linear_attention(**inputs)
+        grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        out_mib = (o.numel() * o.element_size() + state.numel() * state.element_size()) / 2**20
+        del o, state
+        timing = measure(lambda: linear_attention(**inputs), repeat=3, budget=5.0)
+        print(f"{T:>7} {timing.median * 1e3:10.1f} {timing.median / T * 1e6:10.1f} {in_mib:10.0f} "
+              f"{out_mib:10.0f} {grown:10.0f}", flush=True)
 
 
 if __name__ == "__main__":
