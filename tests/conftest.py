@@ -1,6 +1,14 @@
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU through the interpreter; the variable must be set before
+    # anything (fla's tests included) imports triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import numpy as np
 import pytest
-import torch
 
 from deltarule import cases
 from deltarule.backends import cpu_backend

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from ..errors import ContractError, Unsupported
 from ..problem import Problem
-from . import cpu_backend, reference_backend, torch_backend
+from . import cpu_backend, reference_backend, torch_backend, triton_backend
 
-# Fastest first: "auto" takes the first available backend that accepts the call.
-REGISTRY = {m.NAME: m for m in (cpu_backend, torch_backend, reference_backend)}
-AUTO_ORDER = ("cpu", "torch", "reference")
+# Fastest first: "auto" takes the first available backend that accepts the call
+# (cpu declines non-CPU tensors, so CUDA tensors reach triton first; CPU tensors
+# never reach the Triton interpreter while cpu is available).
+REGISTRY = {m.NAME: m for m in (cpu_backend, triton_backend, torch_backend, reference_backend)}
+AUTO_ORDER = ("cpu", "triton", "torch", "reference")
 
 
 def names() -> tuple[str, ...]:

@@ -60,34 +60,37 @@ def _recurrent_kernel(
 
     for t in range(L):
         i_t = i_n * L + t                       # token row in the [N * L] token axis
-        b_k = tl.load(k + (i_t * Hk + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v + (i_t * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        o_th = i_t * H + i_h                    # (token, state head) row of v, o and the gates
+        p_k = k + (i_t * Hk + i_hk) * K + o_k
+        p_v = v + o_th * V + o_v
+        b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
+        b_d = tl.full([BK], 1.0, dtype=tl.float32)
         if HAS_DECAY:
             if DECAY_PER_KEY:
-                b_d = tl.exp(tl.load(lam + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32))
+                b_d = tl.exp(tl.load(lam + o_th * K + o_k, mask=m_k, other=0.0).to(tl.float32))
             else:
-                b_d = tl.full([BK], 1.0, dtype=tl.float32) * tl.exp(tl.load(lam + i_t * H + i_h).to(tl.float32))
-        else:
-            b_d = tl.full([BK], 1.0, dtype=tl.float32)
+                b_d = b_d * tl.exp(tl.load(lam + o_th).to(tl.float32))
+        b_u = b_v
         if HAS_WRITE:
             if WRITE_PER_VALUE:
-                b_u = b_v * tl.load(w + (i_t * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+                b_u = b_v * tl.load(w + o_th * V + o_v, mask=m_v, other=0.0).to(tl.float32)
             else:
-                b_u = b_v * tl.load(w + i_t * H + i_h).to(tl.float32)
-        else:
-            b_u = b_v
+                b_u = b_v * tl.load(w + o_th).to(tl.float32)
         if HAS_ERASE:
             if ERASE_PER_KEY:
-                b_b = tl.load(b + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                b_b = tl.load(b + o_th * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             else:
-                b_b = tl.load(b + i_t * H + i_h).to(tl.float32)
+                b_b = tl.load(b + o_th).to(tl.float32)
             # retrieval from the old state: S'^T (b k) = S^T (exp(lam) b k)
             b_u = b_u - tl.sum((b_d * b_b * b_k)[:, None] * b_s, axis=0)
         for g in tl.static_range(G):
-            b_q = tl.load(q + ((i_t * Hq + i_hq) * G + g) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_p = tl.sum((b_d * b_q)[:, None] * b_s, axis=0)
-            b_o = scale * (b_p + tl.sum(b_k * b_q) * b_u)
-            tl.store(o + ((i_t * H + i_h) * G + g) * V + o_v, b_o, mask=m_v)
+            p_q = q + ((i_t * Hq + i_hq) * G + g) * K + o_k
+            p_o = o + (o_th * G + g) * V + o_v
+            b_q = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)
+            # output from the old state too: S_t^T q = S'^T q + (k . q) u
+            b_o = scale * (tl.sum((b_d * b_q)[:, None] * b_s, axis=0) + tl.sum(b_k * b_q) * b_u)
+            tl.store(p_o, b_o, mask=m_v)
         b_s = b_d[:, None] * b_s + b_k[:, None] * b_u[None, :]
 
     tl.store(S + o_s, b_s, mask=m_s)
@@ -98,8 +101,9 @@ def recurrent(q, k, v, lam, b, w, S0, scale: float, S=None):
 
     q [N, L, Hq, G, K], k [N, L, Hk, K], v [N, L, H, V]; lam, b: None,
     [N, L, H] or [N, L, H, K]; w: None, [N, L, H] or [N, L, H, V];
-    S0 [N, H, K, V] float32. `S` is the output state buffer (default a new
-    tensor); passing `S0` itself updates the states in place.
+    S0 [N, H, K, V] float32. `S` is the contiguous output state buffer
+    (default a new tensor); passing a contiguous `S0` itself updates the
+    states in place.
     """
     N, L, H, V = v.shape
     Hq, G, K = q.shape[2], q.shape[3], q.shape[4]

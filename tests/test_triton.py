@@ -1,0 +1,175 @@
+"""The triton backend's fused recurrence against the float64 reference.
+
+Without a CUDA device the kernels run on CPU tensors under the Triton
+interpreter: conftest.py sets TRITON_INTERPRET=1 before anything imports
+triton (its standard library, `tl.sum` included, is set up at import). If
+triton was imported without it, the module is skipped with the reason. Shapes
+stay tiny: the interpreter runs one numpy op per Triton op per program per token.
+"""
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("the triton backend needs triton: pip install triton", allow_module_level=True)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+import deltarule  # noqa: E402
+from deltarule import cases  # noqa: E402
+from deltarule.backends import triton_backend  # noqa: E402
+from deltarule.check import expected  # noqa: E402
+from deltarule.kernels import triton_recurrent  # noqa: E402
+
+from conftest import rel  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and not (isinstance(triton_recurrent._recurrent_kernel, InterpretedFunction)
+                            and isinstance(tl.sum, InterpretedFunction)):
+    pytest.skip("no CUDA device, and Triton is not in interpreter mode: TRITON_INTERPRET=1 must be set "
+                "before anything imports triton (tests/conftest.py does)", allow_module_level=True)
+
+pytestmark = pytest.mark.triton
+
+TOL = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
+
+
+def err(x: torch.Tensor, ref: np.ndarray) -> float:
+    """Relative error; against an all-zero reference, the largest |x| (NaN stays NaN)."""
+    if np.linalg.norm(ref) > 0:
+        return rel(x, ref)
+    return float(np.abs(x.detach().double().cpu().numpy()).max(initial=0.0))
+
+
+def check(args: dict, tol: float):
+    """Run the triton backend on `args` and compare o and the state with the reference."""
+    ref_o, ref_state = expected(args)         # before the call: a slab is updated in place
+    p = deltarule.validate(**args)
+    assert triton_backend.supports(p) is None
+    o, state = triton_backend.run(p)
+    assert o.dtype == args["v"].dtype and state.dtype == torch.float32
+    e_o, e_s = err(o, ref_o), err(state, ref_state)
+    assert e_o <= tol and e_s <= tol, f"err(o)={e_o:.2e} err(S)={e_s:.2e} tol={tol:.0e}"
+    return o, state
+
+
+def small(**over) -> dict:
+    """A test.json-style case dict: tiny sizes, overridable."""
+    case = dict(name="small", seed=100, B=2, T=5, Hq=2, Hk=2, Hv=2, K=16, V=24, rule="gated_delta")
+    case.update(over)
+    return case
+
+
+def _fits(case: dict) -> bool:
+    return deltarule.validate(**cases.make_inputs(case)).max_len <= triton_backend.RECURRENT_MAX_LEN
+
+
+FUSED_CASES = [
+    pytest.param(case, dtype, id=f"{case['name']}-{dtype}")
+    for case in cases.test_cases() if case["T"] <= 64 or (case.get("cu_seqlens") is not None and _fits(case))
+    for dtype in case["dtypes"]
+]
+
+
+@pytest.mark.parametrize("case,dtype", FUSED_CASES)
+def test_test_json_case(case, dtype):
+    check(cases.make_inputs(case, dtype, DEVICE), TOL[dtype])
+
+
+@pytest.mark.parametrize("T", [1, 63])
+@pytest.mark.parametrize("K,V", [(100, 60), (20, 72)])
+def test_odd_sizes(T, K, V):
+    """K, V not powers of two; V = 72 spans two value tiles, the second masked."""
+    case = small(B=1, T=T, K=K, V=V, decay="gk", update="erase_write", initial_state=True)
+    check(cases.make_inputs(case, "float32", DEVICE), TOL["float32"])
+
+
+@pytest.mark.parametrize("rule,decay,update", [
+    ("linear", "none", "none"),
+    ("gated", "g", "none"),
+    ("gated", "gk", "none"),
+    ("delta", "none", "beta"),
+    ("delta", "none", "erase_write"),
+    ("gated_delta", "gk", "beta"),
+    ("gated_delta", "g+gk", "erase_write"),
+])
+def test_gates(rule, decay, update):
+    case = small(rule=rule, decay=decay, update=update, initial_state=True)
+    check(cases.make_inputs(case, "float32", DEVICE), TOL["float32"])
+
+
+@pytest.mark.parametrize("heads", [
+    dict(Hq=2, Hk=2, Hv=4),     # GVA: state head h reads key / query head h // 2
+    dict(Hq=1, Hk=1, Hv=3),
+    dict(Hq=8, Hk=2, Hv=2),     # GQA: 4 query rows per state head
+    dict(Hq=6, Hk=1, Hv=1),
+])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_head_grouping(heads, dtype):
+    case = small(decay="gk", initial_state=True, **heads)
+    check(cases.make_inputs(case, dtype, DEVICE), TOL[dtype])
+
+
+def test_slab_with_padding_index():
+    case = small(B=3, T=4, initial_state=True, state_indices=[3, -1, 0], num_slots=5, decay="gk")
+    args = cases.make_inputs(case, "float32", DEVICE)
+    slab = args["initial_state"]
+    before = slab.clone()
+    o, state = check(args, TOL["float32"])
+    assert state is slab
+    for row in (1, 2, 4):
+        assert torch.equal(slab[row], before[row])
+    assert not torch.equal(slab[3], before[3]) and not torch.equal(slab[0], before[0])
+    assert torch.count_nonzero(o[1]) == 0
+
+
+def test_slab_vk_layout_decode():
+    case = small(B=2, T=1, initial_state=True, state_indices=[1, 2], num_slots=4, state_layout="vk")
+    args = cases.make_inputs(case, "float32", DEVICE)
+    before = args["initial_state"].clone()
+    check(args, TOL["float32"])
+    assert torch.equal(args["initial_state"][0], before[0]) and torch.equal(args["initial_state"][3], before[3])
+
+
+def test_initial_state_untouched():
+    args = cases.make_inputs(small(initial_state=True), "float32", DEVICE)
+    before = args["initial_state"].clone()
+    _, state = check(args, TOL["float32"])
+    assert torch.equal(args["initial_state"], before)
+    assert state.data_ptr() != args["initial_state"].data_ptr()
+
+
+@pytest.mark.parametrize("case", [
+    small(B=1, T=3, K=100, V=60, decay="gk", update="erase_write"),
+    small(B=1, T=12, cu_seqlens=[2, 5, 5, 9], initial_state=True),
+    small(B=2, T=4, Hq=4, Hk=2, Hv=2, seq_lens=[4, 1]),
+    small(B=2, T=2, initial_state=True, state_indices=[-1, 2], num_slots=3),
+], ids=["odd-sizes", "varlen-uncovered", "gqa-seq_lens", "slab-padding"])
+def test_writes_every_output_element(nan_poison, case):
+    """With uninitialised memory poisoned to NaN, outputs and states stay finite and correct."""
+    check(cases.make_inputs(case, "float32", DEVICE), TOL["float32"])
+
+
+def test_longer_prefill_declined():
+    args = cases.make_inputs(small(B=1, T=65), "float32", DEVICE)
+    p = deltarule.validate(**args)
+    reason = triton_backend.supports(p)
+    assert reason is not None and "chunked Triton prefill not implemented yet" in reason
+    if "triton" in deltarule.backends.names():
+        with pytest.raises(deltarule.Unsupported, match="chunked Triton prefill not implemented yet"):
+            deltarule.linear_attention(**args, backend="triton")
+
+
+def test_varlen_with_short_spans_accepted():
+    """T = 70 packed tokens in spans of at most 40: the fused recurrence takes it."""
+    check(cases.make_inputs(small(B=1, T=70, cu_seqlens=[0, 40, 70]), "float32", DEVICE), TOL["float32"])
+
+
+def test_available_and_described():
+    assert triton_backend.available()
+    assert triton_backend.NAME == "triton"
+    assert "CUDA" in triton_backend.SUPPORTS["devices"]
