@@ -11,7 +11,7 @@ the results back through `finish`:
     lam  None | [N, L, Hv] | [N, L, Hv, K]    log decay (g + gk, raw arm applied)
     b    None | [N, L, Hv] | [N, L, Hv, K]    erase gate (scalar beta: [N, L, Hv])
     w    None | [N, L, Hv] | [N, L, Hv, V]    write gate
-    S0   [N, Hv, K, V] float32 K-major
+    S0   [N, Hv, K, V] float32 K-major (None: the backend reads the states itself)
 
 Tokens past a sequence's length are identity steps (k = 0, lam = 0, all else 0),
 so the state after L padded steps is the state after the sequence's last token.
@@ -62,7 +62,7 @@ def pack(p: Problem) -> Packing:
     if not p.varlen and all(s.slot >= 0 for s in p.spans):
         return Packing(L=L, identity=True)
     N, T = p.N, p.T
-    gather = np.zeros((N, max(L, 0)), dtype=np.int64)
+    gather = np.zeros((N, L), dtype=np.int64)
     valid = np.zeros((N, L), dtype=bool)
     owner = np.full(p.B * T, -1, dtype=np.int64)           # flat [N*L] source of each output token
     for n, s in enumerate(p.spans):
