@@ -1,0 +1,45 @@
+"""benchmarks/gpu.py, the prepared GPU check, runs end to end on CPU with --dry-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu.py"
+HEADERS = ("== environment ==", "== hbm copy bandwidth ==", "== correctness ==", "== prefill ==",
+           "== decode ==", "== targets ==")
+
+
+def test_gpu_script_compiles():
+    import py_compile
+
+    py_compile.compile(str(SCRIPT), doraise=True)
+
+
+def test_gpu_script_dry_run(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET")}
+    env["PYTHONUNBUFFERED"] = "1"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=55,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    positions = [out.index(h) for h in HEADERS]          # every section, in order
+    assert positions == sorted(positions)
+    assert "section failed" not in out
+    assert "0 section(s) failed" in out
+    assert " 0 failed" in out                             # correctness: nothing failed
+    data = json.loads((tmp_path / "gpu.json").read_text())
+    assert data["correctness"]["failed"] == 0
+    assert data["correctness"]["cases"]
+    assert data["correctness"]["poison_active"] is True
+    assert all(r.get("status") == "ok" for r in data["prefill"] + data["decode"]), data["prefill"] + data["decode"]
+    assert {r["kind"] for r in data["prefill"]} == {"gdn", "kda", "gdn2"}
+    assert data["hbm_copy_GBps"] > 0
+    assert data["targets"]
+    assert (tmp_path / "gpu.md").read_text().startswith("```")
