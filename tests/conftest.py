@@ -7,6 +7,8 @@ if not torch.cuda.is_available():
     # anything (fla's tests included) imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -46,3 +48,23 @@ def nan_poison():
     yield
     torch.use_deterministic_algorithms(previous)
     torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def require_triton():
+    """Skip the calling test module unless Triton kernels can run here: a CUDA device, or the
+    interpreter (TRITON_INTERPRET=1 in effect when triton was first imported, as set above)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("the triton backend needs triton: pip install triton", allow_module_level=True)
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not torch.cuda.is_available() and not isinstance(tl.sum, InterpretedFunction):
+        pytest.skip("no CUDA device, and Triton is not in interpreter mode: TRITON_INTERPRET=1 must be "
+                    "set before anything imports triton (tests/conftest.py does)", allow_module_level=True)
+
+
+def err(x: torch.Tensor, ref: np.ndarray) -> float:
+    """Relative error; against an all-zero reference, the largest |x| (NaN stays NaN)."""
+    if np.linalg.norm(ref) > 0:
+        return rel(x, ref)
+    return float(np.abs(x.detach().double().cpu().numpy()).max(initial=0.0))

@@ -7,42 +7,25 @@ triton was imported without it, the module is skipped with the reason. Shapes
 stay tiny: the interpreter runs one numpy op per Triton op per program per token.
 """
 
-import importlib.util
-
 import pytest
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("the triton backend needs triton: pip install triton", allow_module_level=True)
+from conftest import err, require_triton
 
-import numpy as np  # noqa: E402
+require_triton()
+
 import torch  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import deltarule  # noqa: E402
 from deltarule import cases  # noqa: E402
 from deltarule.backends import triton_backend  # noqa: E402
 from deltarule.check import expected  # noqa: E402
-from deltarule.kernels import triton_recurrent  # noqa: E402
-
-from conftest import rel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not (isinstance(triton_recurrent._recurrent_kernel, InterpretedFunction)
-                            and isinstance(tl.sum, InterpretedFunction)):
-    pytest.skip("no CUDA device, and Triton is not in interpreter mode: TRITON_INTERPRET=1 must be set "
-                "before anything imports triton (tests/conftest.py does)", allow_module_level=True)
 
 pytestmark = pytest.mark.triton
 
 TOL = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
 
-
-def err(x: torch.Tensor, ref: np.ndarray) -> float:
-    """Relative error; against an all-zero reference, the largest |x| (NaN stays NaN)."""
-    if np.linalg.norm(ref) > 0:
-        return rel(x, ref)
-    return float(np.abs(x.detach().double().cpu().numpy()).max(initial=0.0))
 
 
 def check(args: dict, tol: float):
