@@ -47,6 +47,22 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FLOATS = "float32, float16 or bfloat16"
 
 
+def past_state_of(kind: Kind, past_state, q: torch.Tensor, B: int, Hkv: int, d_k: int, d_v: int):
+    """The checked `past_state` in float32 (or None) and the type S of `present_state`:
+    past_state's dtype, or the query's when it is absent."""
+    s = kind.tensor("past_state", past_state)
+    if s is None:
+        return None, q.dtype
+    if tuple(s.shape) != (B, Hkv, d_k, d_v):
+        raise ContractError("past_state", f"(B, kv_num_heads, d_k, d_v) = ({B}, {Hkv}, {d_k}, {d_v})",
+                            f"shape {list(s.shape)}")
+    if s.dtype not in FLOAT_DTYPES:
+        raise ContractError("past_state", f"dtype {_FLOATS} (type S)", dtype_name(s.dtype))
+    if s.device != q.device:
+        raise ContractError("past_state", f"device {q.device} (query's)", s.device)
+    return s.to(torch.float32).contiguous(), s.dtype
+
+
 def linear_attention(
     query,
     key,
@@ -189,18 +205,7 @@ def _packed(query, key, value, past_state, decay, beta, *, q_num_heads, kv_num_h
         if b.shape[2] != Hkv:
             b = b.expand(B, T, Hkv).contiguous()
 
-    s = kind.tensor("past_state", past_state)
-    state_dtype = q.dtype
-    if s is not None:
-        if tuple(s.shape) != (B, Hkv, d_k, d_v):
-            raise ContractError("past_state", f"(B, kv_num_heads, d_k, d_v) = ({B}, {Hkv}, {d_k}, {d_v})",
-                                f"shape {list(s.shape)}")
-        if s.dtype not in FLOAT_DTYPES:
-            raise ContractError("past_state", f"dtype {_FLOATS} (type S)", dtype_name(s.dtype))
-        if s.device != q.device:
-            raise ContractError("past_state", f"device {q.device} (query's)", s.device)
-        state_dtype = s.dtype
-        s = s.to(torch.float32).contiguous()
+    s, state_dtype = past_state_of(kind, past_state, q, B, Hkv, d_k, d_v)
 
     q4 = q.reshape(B, T, Hq, d_k)
     k4 = k.reshape(B, T, Hk, d_k)

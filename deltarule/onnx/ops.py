@@ -515,18 +515,7 @@ def linear_attention(query, key, value, past_state=None, decay=None, beta=None, 
                                 f"(B, T, kv_num_heads * d_k) = ({B}, {T}, {Hkv * d_k})", f"shape {list(d.shape)}")
         g, gk = (d, None) if d.shape[2] == Hkv else (None, d.reshape(B, T, Hkv, d_k))
 
-    s = kind.tensor("past_state", past_state)
-    state_dtype = q.dtype
-    if s is not None:
-        if tuple(s.shape) != (B, Hkv, d_k, d_v):
-            raise ContractError("past_state", f"(B, kv_num_heads, d_k, d_v) = ({B}, {Hkv}, {d_k}, {d_v})",
-                                f"shape {list(s.shape)}")
-        if s.dtype not in _onnx_contract.FLOAT_DTYPES:
-            raise ContractError("past_state", "dtype float32, float16 or bfloat16 (type S)", dtype_name(s.dtype))
-        if s.device != q.device:
-            raise ContractError("past_state", f"device {q.device} (query's)", s.device)
-        state_dtype = s.dtype
-        s = s.to(torch.float32).contiguous()
+    s, state_dtype = _onnx_contract.past_state_of(kind, past_state, q, B, Hkv, d_k, d_v)
 
     o, state = _linear_attention(
         q.reshape(B, T, Hq, d_k), k.reshape(B, T, Hkv, d_k), v.reshape(B, T, Hkv, d_v), rule=update_rule,
