@@ -16,7 +16,7 @@ def test_check_prints_a_table_and_passes(capsys):
     assert main(["check", "--backend", "torch", "--case", "slab-", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
     assert "slab-all-padding" in out and "FAIL" not in out
-    assert "backend torch: 4 passed, 0 failed" in out
+    assert "backend torch: 4 passed, 0 failed, 0 declined" in out
 
 
 def test_check_fails_on_a_wrong_backend_result(capsys, monkeypatch):
@@ -56,3 +56,17 @@ def test_check_peers_reports_a_missing_runtime_as_skipped(capsys, monkeypatch):
     monkeypatch.setattr(peers, "run_onnx_node", missing)
     main(["check", "--backend", "torch", "--case", "slab-all-padding", "--peers"])
     assert "skipped: onnxruntime is not installed" in capsys.readouterr().out
+
+
+def test_check_reports_declined_calls(capsys, monkeypatch):
+    """A backend that declines a valid call is listed as declined, neither passed nor failed."""
+    from deltarule import Unsupported
+    from deltarule.backends import REGISTRY
+
+    def decline(p):
+        raise Unsupported("not this one")
+
+    monkeypatch.setattr(REGISTRY["torch"], "run", decline)
+    assert main(["check", "--backend", "torch", "--case", "slab-all-padding"]) == 0
+    out = capsys.readouterr().out
+    assert "declined: not this one" in out and "0 passed, 0 failed, 1 declined" in out
