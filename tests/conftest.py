@@ -16,7 +16,7 @@ from deltarule import cases
 from deltarule.backends import cpu_backend
 
 CPU = pytest.param("cpu", marks=pytest.mark.skipif(
-    not cpu_backend.available(), reason="the cpu backend needs numba: pip install 'deltarule[cpu]'"))
+    not cpu_backend.available(), reason="the cpu backend's native kernel was not built (no C compiler at install time)"))
 
 
 def case_params(filter_=lambda case: True, dtypes=None):

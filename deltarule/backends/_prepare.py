@@ -11,7 +11,7 @@ the results back through `finish`:
     lam  None | [N, L, Hv] | [N, L, Hv, K]    log decay (g + gk, raw arm applied)
     b    None | [N, L, Hv] | [N, L, Hv, K]    erase gate (scalar beta: [N, L, Hv])
     w    None | [N, L, Hv] | [N, L, Hv, V]    write gate
-    S0   [N, Hv, K, V] float32 K-major (None: the backend reads the states itself)
+    S0   [N, Hv, K, V] float32 K-major
 
 Tokens past a sequence's length are identity steps (k = 0, lam = 0, all else 0),
 so the state after L padded steps is the state after the sequence's last token.
@@ -36,7 +36,7 @@ class Operands:
     lam: torch.Tensor | None
     b: torch.Tensor | None
     w: torch.Tensor | None
-    S0: torch.Tensor | None
+    S0: torch.Tensor
 
 
 @dataclass
@@ -100,19 +100,22 @@ def _log_decay(p: Problem) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     return g, gk
 
 
-def operands(p: Problem, pk: Packing, gather_states: bool = True) -> Operands:
-    """The kernels' operands; `S0` is None when `gather_states` is False (the
-    backend reads the initial states itself, e.g. from a slab in place)."""
-    f32 = torch.float32
+def normalized_qk(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k as given, or L2-normalised per head in float32 (`qk_l2norm`)."""
     q, k = p.q, p.k                     # the kernels widen to float32 in their first copy
     if p.qk_l2norm:
+        f32 = torch.float32
         q, k = q.to(f32), k.to(f32)
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + p.l2norm_eps)
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + p.l2norm_eps)
-    G = p.G
-    q = q.reshape(p.B, p.T, p.Hq // G, G * p.K)         # GQA: G query heads per state head
-    seq = lambda x: None if x is None else _to_sequences(x, pk, p.B, p.T)  # noqa: E731
+    return q, k
 
+
+def gates(p: Problem) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(lam, b, w) in float32 in the API's token layout [B, T, Hv(, K or V)]:
+    the log decay (g + gk, raw arm applied), the erase and the write gate
+    (sigmoid applied with `beta_sigmoid`; with scalar beta, b is w)."""
+    f32 = torch.float32
     g, gk = _log_decay(p)
     lam = gk if g is None else (g if gk is None else gk + g[..., None])
     b = w = None
@@ -122,11 +125,21 @@ def operands(p: Problem, pk: Packing, gather_states: bool = True) -> Operands:
             b = w = act(p.beta.to(f32))
         else:
             b, w = act(p.erase.to(f32)), act(p.write.to(f32))
+    return lam, b, w
+
+
+def operands(p: Problem, pk: Packing) -> Operands:
+    """The kernels' operands (see the module docstring)."""
+    q, k = normalized_qk(p)
+    G = p.G
+    q = q.reshape(p.B, p.T, p.Hq // G, G * p.K)         # GQA: G query heads per state head
+    seq = lambda x: None if x is None else _to_sequences(x, pk, p.B, p.T)  # noqa: E731
+    lam, b, w = gates(p)
     qs = seq(q)
     qs = qs.view(*qs.shape[:3], G, p.K)
     bs = seq(b)
     return Operands(q=qs, k=seq(k), v=seq(p.v), lam=seq(lam), b=bs,
-                    w=bs if w is b else seq(w), S0=initial_states(p) if gather_states else None)
+                    w=bs if w is b else seq(w), S0=initial_states(p))
 
 
 def initial_states(p: Problem) -> torch.Tensor:
@@ -145,12 +158,11 @@ def initial_states(p: Problem) -> torch.Tensor:
     return S0.masked_fill(pad.view(-1, 1, 1, 1), 0.0)
 
 
-def finish(p: Problem, pk: Packing, o: torch.Tensor, S: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def finish(p: Problem, pk: Packing, o: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel results -> the API's (o [B,T,Ho,V] in v's dtype, state in layout).
 
     `o` is [N, L, Hv, G, V] float32; `S` [N, Hv, K, V] float32 K-major. With a
-    slab, writes the non-padding rows in place and returns the slab; S None
-    means the kernel already updated the slab where it lies.
+    slab, writes the non-padding rows in place and returns the slab.
     """
     N, L, Hv, G, V = o.shape
     o = o.reshape(N, L, p.Ho, V)
@@ -159,8 +171,6 @@ def finish(p: Problem, pk: Packing, o: torch.Tensor, S: torch.Tensor | None) -> 
         flat[pk.dst] = o.reshape(N * L, p.Ho, V)[pk.src]
         o = flat.view(p.B, p.T, p.Ho, V)
     o = o.to(p.v.dtype)
-    if S is None:
-        return o, p.initial_state
     state = S.transpose(-1, -2) if p.state_layout == "vk" else S
     if not p.in_place:
         if p.initial_state is not None and state.data_ptr() == p.initial_state.data_ptr():

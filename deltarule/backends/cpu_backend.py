@@ -1,34 +1,40 @@
-"""The `cpu` backend: a fused numba recurrence for decode and short sequences,
-the torch chunked kernel for prefill. CPU tensors only."""
+"""The `cpu` backend: the native V-tiled recurrence (`kernels/csrc/recurrent.c`).
+
+One kernel for every call shape: prefill, decode, varlen, a slab in place.
+Each (sequence, state head, 64-column value tile) task keeps its state tile in
+the L1 cache for the whole sequence, so the recurrence costs four FLOPs per
+state element per token with no chunk-size trade-off, and scalar, per-key and
+GDN-2 gates cost the same (docs/performance.md has the measurements against
+the chunked torch form that it replaced). Operands stay in the API's layout:
+no packing of varlen sequences, no gather or scatter of slab rows, no
+transpose of a "vk" state. CPU tensors only; needs the compiled kernel that
+`pip install` builds.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from ..kernels.chunked import chunked
+from ..kernels import cpu_recurrent
 from ..problem import Problem
 from . import _prepare
 from ._features import EVERYTHING
 
 NAME = "cpu"
-DESCRIPTION = "fused numba recurrence (decode, short sequences) + torch chunked prefill"
+DESCRIPTION = "native V-tiled recurrence (C, OpenMP, AVX-512 where present)"
 SUPPORTS = dict(EVERYTHING, devices="CPU tensors")
-# Sequences up to this many tokens take the fused recurrence, longer ones the
-# chunked kernel: on the 16-head K = V = 128 layer the fused recurrence wins up
-# to T = 48 at B = 8 and ties at T = 64 for B = 1 (docs/performance.md).
-RECURRENT_MAX_LEN = 48
-# The chunk_size argument is a hint; on this CPU 32-token chunks measured 4-16 %
-# faster than 64 on the bench.json prefill shapes (docs/performance.md).
-CHUNK_SIZE = 32
+# Fresh outputs of at least this many bytes come from NumPy, whose allocator
+# asks the kernel for transparent huge pages: the first touch of a 32 MB output
+# then costs 16 page faults instead of 8192 (docs/performance.md).
+HUGE_PAGE_BYTES = 1 << 22
+# Each extra thread is created per call (tens of microseconds), so a call gets
+# one thread per this many state-element steps (about a millisecond of work).
+ELEMENT_STEPS_PER_THREAD = 1 << 21
 
 
 def available() -> bool:
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return cpu_recurrent.available()
 
 
 def supports(p: Problem) -> str | None:
@@ -38,43 +44,73 @@ def supports(p: Problem) -> str | None:
 
 
 def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
-    pk = _prepare.pack(p)
-    recurrent = pk.L <= RECURRENT_MAX_LEN
-    # A K-major slab is read and written where it lies (no gather, no scatter).
-    direct = recurrent and p.in_place and p.state_layout == "kv" and p.initial_state.is_contiguous()
-    x = _prepare.operands(p, pk, gather_states=not direct)
-    if direct:
-        slab = p.initial_state
-        slots = torch.tensor([s.slot for s in p.spans], dtype=torch.int64)
-        o = _fused_recurrent(x, p.scale, slab, slab, slots, in_place=True)
-        return _prepare.finish(p, pk, o, None)
-    if recurrent:
-        S = torch.empty_like(x.S0)
-        o = _fused_recurrent(x, p.scale, x.S0, S, torch.arange(p.N), in_place=False)
+    f32 = torch.float32
+    q, k = _prepare.normalized_qk(p)
+    q = q.to(f32).contiguous().view(p.B, p.T, p.Hq // p.G, p.G, p.K)
+    k = k.to(f32).contiguous()
+    v = p.v.to(f32).contiguous()
+    lam, b, w = _prepare.gates(p)
+    d = None if lam is None else lam.exp().contiguous()
+    shared = w is b                                  # scalar beta: one gate, one copy
+    b = None if b is None else b.contiguous()
+    w = b if shared else (None if w is None else w.contiguous())
+
+    spans, owner, covered = _span_table(p)
+    o = _empty((p.B, p.T, p.Hv, p.G, p.V), zero=not covered)
+    S0 = p.initial_state
+    if S0 is not None and p.state_layout == "vk":
+        S0 = S0.transpose(-1, -2)                    # a strided [*, Hv, K, V] view, no copy
+    if p.in_place:
+        S = S0
     else:
-        o, S = chunked(x.q, x.k, x.v, x.lam, x.b, x.w, x.S0, p.scale, CHUNK_SIZE)
-    return _prepare.finish(p, pk, o, S)
+        S = _empty((p.N, p.Hv, p.V, p.K) if p.state_layout == "vk" else (p.N, p.Hv, p.K, p.V))
+        if p.state_layout == "vk":
+            S = S.transpose(-1, -2)
+    steps = sum(s.length + 1 for s in p.spans) * p.Hv * p.K * p.V
+    threads = max(1, min(torch.get_num_threads(), steps // ELEMENT_STEPS_PER_THREAD))
+    cpu_recurrent.recurrent(q, k, v, d, b, w, S0, S, o, spans, owner, p.scale, threads)
+
+    o = o.view(p.B, p.T, p.Ho, p.V).to(p.v.dtype)
+    if p.in_place:
+        return o, p.initial_state
+    return o, S.transpose(-1, -2) if p.state_layout == "vk" else S
 
 
-def _fused_recurrent(x: _prepare.Operands, scale: float, S0, S, slots, *, in_place: bool):
-    """o [N, L, H, G, V]; sequence n's final state lands in S[slots[n]]."""
-    from ..kernels.cpu_recurrent import recurrent_steps
+def _span_table(p: Problem):
+    """spans [N, 5] int64 (row, start, end, initial slot, final slot), the
+    token owners [B*T] int32 or None, and whether every token gets an output.
 
-    N, L, H, V = x.v.shape
-    G = x.q.shape[3]
-    o = torch.empty(N, L, H, G, V, dtype=torch.float32)
+    A padding sequence (slot < 0) runs no step and touches no state. Where
+    clamped `cu_seqlens` spans overlap, the later sequence owns the output.
+    """
+    rows = []
+    for n, s in enumerate(p.spans):
+        if s.slot < 0:
+            rows.append((s.row, s.start, s.start, -1, -1))
+            continue
+        initial = s.slot if p.initial_state is not None else -1
+        rows.append((s.row, s.start, s.end, initial, s.slot if p.in_place else n))
+    spans = torch.tensor(rows, dtype=torch.int64).view(-1, 5)
+    dense = all(s.slot >= 0 and s.start == 0 and s.end == p.T and s.row == n
+                for n, s in enumerate(p.spans)) and len(p.spans) == p.B
+    if dense:
+        return spans, None, True
+    owner = np.full(p.B * p.T, -1, dtype=np.int32)
+    for n, s in enumerate(p.spans):
+        if s.slot >= 0:
+            owner[s.row * p.T + s.start: s.row * p.T + s.end] = n
+    return spans, torch.from_numpy(owner), bool((owner >= 0).all())
 
-    def gate(t):
-        if t is None:
-            return np.empty((0, 0, 0, 1), dtype=np.float32), False
-        t = t if t.dim() == 4 else t.unsqueeze(-1)
-        return t.contiguous().numpy(), True
 
-    lam, has_lam = gate(x.lam)
-    b, has_b = gate(x.b)
-    w, has_w = gate(x.w)
-    f32 = lambda t: t.to(torch.float32).contiguous().numpy()  # noqa: E731
-    recurrent_steps(f32(x.q), f32(x.k), f32(x.v),
-                    lam, b, w, S0.contiguous().numpy(), S.numpy(), slots.numpy(), o.numpy(),
-                    np.float32(scale), has_lam, has_b, has_w, in_place)
-    return o
+def _empty(shape, zero: bool = False) -> torch.Tensor:
+    """A float32 tensor; large ones backed by transparent huge pages (NumPy's
+    allocator), NaN-filled like torch.empty where torch fills uninitialised memory."""
+    count = int(np.prod(shape))
+    if count * 4 < HUGE_PAGE_BYTES:
+        return (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32)
+    if zero:
+        return torch.from_numpy(np.zeros(count, dtype=np.float32)).view(shape)
+    x = np.empty(count, dtype=np.float32)
+    if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
+        x.fill(np.nan)
+    return torch.from_numpy(x).view(shape)

@@ -5,14 +5,13 @@ which chunk size the CPU prefers.
     python -m deltarule.bench.crossover --chunk-sizes 32,64 --case qwen3-next-16h-prefill-4k
     python -m deltarule.bench.crossover --scaling 1024,4096,32768 --case qwen3-next-16h-prefill-4k
 
-Times the torch chunked, torch recurrent and cpu (numba) recurrent paths
-through `linear_attention` on the 16-head K = V = 128 layer (scalar g + beta,
-with an initial state), forcing each path with the backends'
-`RECURRENT_MAX_LEN`; prints the median ms per call. The thresholds in
-`backends/torch_backend.py` and `backends/cpu_backend.py` come from this table.
+Times the torch backend's chunked and recurrent paths (forced with its
+`RECURRENT_MAX_LEN`) and the cpu backend's native recurrence through
+`linear_attention` on the 16-head K = V = 128 layer (scalar g + beta, with an
+initial state); prints the median ms per call. The torch backend's threshold
+comes from this table, and it shows that the cpu backend needs none.
 With --chunk-sizes, times the torch backend's chunked kernel on bench.json
-cases at each chunk size, interleaved in one process (the cpu backend's
-CHUNK_SIZE comes from it). With --scaling, times one case (default backend)
+cases at each chunk size, interleaved in one process. With --scaling, times one case (default backend)
 at several T and prints µs per token and the growth of the process's peak RSS
 over a call at each T (run the largest T first in a fresh process for a clean
 peak).
@@ -26,14 +25,15 @@ import resource
 import torch
 
 from .. import linear_attention
-from ..backends import cpu_backend, torch_backend
+from ..backends import torch_backend
 from ..cases import bench_cases, make_inputs
 from .timing import measure
 
+# (label, backend, the torch backend's RECURRENT_MAX_LEN for the run or None)
 PATHS = (
-    ("torch chunked", "torch", torch_backend, 0),
-    ("torch recurrent", "torch", torch_backend, 1 << 30),
-    ("cpu recurrent", "cpu", cpu_backend, 1 << 30),
+    ("torch chunked", "torch", 0),
+    ("torch recurrent", "torch", 1 << 30),
+    ("cpu", "cpu", None),
 )
 
 
@@ -62,14 +62,14 @@ def main(argv: list[str] | None = None) -> None:
         beta = torch.rand(B, T, H, generator=gen)
         s0 = torch.randn(B, H, K, V, generator=gen)
         times = []
-        for _, backend, module, threshold in PATHS:
-            saved = module.RECURRENT_MAX_LEN
-            module.RECURRENT_MAX_LEN = threshold
+        for _, backend, threshold in PATHS:
+            saved = torch_backend.RECURRENT_MAX_LEN
+            torch_backend.RECURRENT_MAX_LEN = saved if threshold is None else threshold
             try:
                 timing = measure(lambda: linear_attention(q, k, v, g=g, beta=beta, initial_state=s0,
                                                           backend=backend), repeat=15, budget=2.0)
             finally:
-                module.RECURRENT_MAX_LEN = saved
+                torch_backend.RECURRENT_MAX_LEN = saved
             times.append(timing.median * 1e3)
         print(f"{B:>3} {T:>5}" + "".join(f" {t:16.2f}" for t in times), flush=True)
 

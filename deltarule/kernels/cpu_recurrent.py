@@ -1,101 +1,79 @@
-"""Fused token-by-token recurrence for the CPU (numba), the decode hot path.
+"""Binding of the native CPU recurrence (`csrc/recurrent.c`, built by `pip install`).
 
-One state head per parallel task. Per token the head's state tile is read
-once for both the retrieval and the output (ALGORITHM.md, "Decode"), then
-updated once in place, so a decode step touches the state twice (read, then
-read-modify-write of a tile that is still in cache) instead of the four or
-five passes of separate torch ops.
-
-Compute only: float32 NumPy views of the operands described in
-`deltarule.backends._prepare`; absent gates are passed as empty arrays with
-their flag cleared; no validation.
+One call runs every (sequence, state head, 64-column value tile) task on
+`threads` OpenMP threads; see the C file for the algorithm. Compute only: the
+caller passes contiguous float32 operands in the API's token-major layout and
+the int64 span table; nothing is validated here.
 """
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit, prange
+import ctypes
+import importlib.util
+
+import torch
+
+ABSENT, SCALAR, CHANNEL = 0, 1, 2        # gate forms, as in recurrent.c
 
 
-@njit(parallel=True, cache=True)
-def recurrent_steps(q, k, v, lam, b, w, S0, S, slots, o, scale, has_lam, has_b, has_w, in_place):
-    """L steps for every (sequence, head); writes o and the final states.
+class _Problem(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_void_p) for name in ("q", "k", "v", "d", "b", "w", "s0", "s", "o",
+                                                      "spans", "owner")]
+                + [(name, ctypes.c_int64) for name in ("N", "T", "Hv", "K", "V", "G", "rq", "rk")]
+                + [(name, ctypes.c_int64 * 4) for name in ("s0_stride", "s_stride")]
+                + [(name, ctypes.c_int) for name in ("d_form", "b_form", "w_form")]
+                + [("scale", ctypes.c_float)])
 
-    q [N, L, Hq', G, K], k [N, L, Hk, K], v [N, L, H, V] (Hq', Hk divide H);
-    lam [N, L, H, 1 or K], b [N, L, H, 1 or K], w [N, L, H, 1 or V];
-    sequence n starts from S0[slots[n]] and leaves its state in S[slots[n]]
-    (S0 [M, H, K, V] read only, S [M', H, K, V]); with `in_place`, S0 is S (a
-    state slab updated where it lies) and a negative slot marks padding: zero
-    output, no state touched. o [N, L, H, G, V] written.
+
+def _load():
+    spec = importlib.util.find_spec("deltarule.kernels._recurrent_cpu")
+    if spec is None or spec.origin is None:
+        return None
+    lib = ctypes.CDLL(spec.origin)
+    lib.deltarule_recurrent.argtypes = [ctypes.POINTER(_Problem), ctypes.c_int]
+    lib.deltarule_recurrent.restype = ctypes.c_int
+    return lib
+
+
+_LIB = _load()
+
+
+def available() -> bool:
+    return _LIB is not None
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def _form(x: torch.Tensor | None, channel_dim: int) -> int:
+    if x is None:
+        return ABSENT
+    return CHANNEL if x.dim() == channel_dim else SCALAR
+
+
+def recurrent(q, k, v, d, b, w, S0, S, o, spans, owner, scale: float, threads: int) -> None:
+    """Runs the recurrence; writes o and the final states.
+
+    q [B, T, Hq', G, K], k [B, T, Hk, K], v [B, T, Hv, V] float32 contiguous
+    (Hq' and Hk divide Hv; G query heads per state head);
+    d None | [B, T, Hv] | [B, T, Hv, K]  decay factors exp(log decay);
+    b None | [B, T, Hv] | [B, T, Hv, K]  erase; w None | [B, T, Hv] | [B, T, Hv, V]  write;
+    S0 [*, Hv, K, V] (any strides; None: every sequence starts from zeros) and
+    S [*, Hv, K, V] (any strides; may be S0 itself, a slab updated in place)
+    are indexed by the spans' slots; o [B, T, Hv, G, V] float32 contiguous;
+    spans [N, 5] int64 (row, start, end, initial slot or -1, final slot or -1);
+    owner None | [B*T] int32: the span whose output a token keeps (-1: none).
     """
-    N, L, H, V = v.shape
+    B, T, Hv, V = v.shape
     K = k.shape[3]
-    G = q.shape[3]
-    rq = H // q.shape[2]
-    rk = H // k.shape[2]
-    for task in prange(N * H):
-        n = task // H
-        h = task % H
-        hq = h // rq
-        hk = h // rk
-        slot = slots[n]
-        if slot < 0:
-            o[n, :, h] = 0.0
-            continue
-        St = S[slot, h]
-        if not in_place:
-            St[:, :] = S0[slot, h]
-        e = np.ones(K, dtype=np.float32)
-        eb = np.zeros(K, dtype=np.float32)
-        eq = np.empty((G, K), dtype=np.float32)
-        r = np.empty(V, dtype=np.float32)
-        p = np.empty((G, V), dtype=np.float32)
-        u = np.empty(V, dtype=np.float32)
-        kq = np.empty(G, dtype=np.float32)
-        for t in range(L):
-            kt = k[n, t, hk]
-            if has_lam:
-                lt = lam[n, t, h]
-                for i in range(K):
-                    e[i] = np.exp(lt[i if lt.shape[0] > 1 else 0])
-            if has_b:
-                bt = b[n, t, h]
-                for i in range(K):
-                    eb[i] = e[i] * bt[i if bt.shape[0] > 1 else 0] * kt[i]
-            for g in range(G):
-                acc = np.float32(0.0)
-                for i in range(K):
-                    eq[g, i] = e[i] * q[n, t, hq, g, i]
-                    acc += q[n, t, hq, g, i] * kt[i]
-                kq[g] = acc
-            # the one read of the old state: r = S'^T (b k), p = S'^T q
-            r[:] = 0.0
-            p[:, :] = 0.0
-            for i in range(K):
-                row = St[i]
-                if has_b:
-                    c = eb[i]
-                    for j in range(V):
-                        r[j] += c * row[j]
-                for g in range(G):
-                    c = eq[g, i]
-                    for j in range(V):
-                        p[g, j] += c * row[j]
-            vt = v[n, t, h]
-            if has_w:
-                wt = w[n, t, h]
-                for j in range(V):
-                    u[j] = vt[j] * wt[j if wt.shape[0] > 1 else 0] - r[j]
-            else:
-                for j in range(V):
-                    u[j] = vt[j] - r[j]
-            for g in range(G):
-                for j in range(V):
-                    o[n, t, h, g, j] = scale * (p[g, j] + kq[g] * u[j])
-            # S = D S + k u^T
-            for i in range(K):
-                row = St[i]
-                d = e[i]
-                c = kt[i]
-                for j in range(V):
-                    row[j] = d * row[j] + c * u[j]
+    zero = torch.zeros(1, 1, 1, 1)
+    s0 = S0 if S0 is not None else zero
+    P = _Problem(
+        _ptr(q), _ptr(k), _ptr(v), _ptr(d), _ptr(b), _ptr(w), _ptr(S0), _ptr(S), _ptr(o),
+        _ptr(spans), _ptr(owner),
+        spans.shape[0], T, Hv, K, V, q.shape[3], Hv // q.shape[2], Hv // k.shape[2],
+        (ctypes.c_int64 * 4)(*s0.stride()), (ctypes.c_int64 * 4)(*S.stride()),
+        _form(d, 4), _form(b, 4), _form(w, 4), scale)
+    if _LIB.deltarule_recurrent(ctypes.byref(P), threads):
+        raise MemoryError("deltarule cpu kernel: no memory for a thread's tile buffer")

@@ -1,0 +1,69 @@
+"""The cpu backend's native kernel beyond the test.json comparison: it is
+built wherever a C compiler exists, its threads and its huge-page outputs do
+not change a bit, and it writes a strided slab where it lies."""
+
+import shutil
+
+import pytest
+import torch
+
+import deltarule
+from deltarule import cases
+from deltarule.backends import cpu_backend
+from deltarule.check import expected
+
+from conftest import rel
+
+pytestmark = pytest.mark.skipif(not cpu_backend.available() and shutil.which("cc") is None,
+                                reason="no C compiler here: the cpu backend's kernel could not be built")
+
+CASE = {"name": "cpu", "seed": 5, "B": 3, "T": 37, "Hq": 8, "Hk": 4, "Hv": 4, "K": 100, "V": 72,
+        "decay": "gk", "update": "erase_write", "initial_state": True}
+
+
+def test_kernel_is_built_where_a_compiler_exists():
+    assert cpu_backend.available(), "pip install did not build deltarule/kernels/csrc/recurrent.c"
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_threads_do_not_change_a_bit(monkeypatch, layout):
+    args = cases.make_inputs(dict(CASE, state_layout=layout))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    o1, s1 = deltarule.linear_attention(**args, backend="cpu")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(cpu_backend, "ELEMENT_STEPS_PER_THREAD", 1)     # 3 threads on this small call
+    o3, s3 = deltarule.linear_attention(**args, backend="cpu")
+    assert torch.equal(o1, o3) and torch.equal(s1, s3)
+    want_o, want_s = expected(args)
+    assert rel(o3, want_o) < 5e-5 and rel(s3, want_s) < 5e-5
+
+
+def test_huge_page_outputs_are_written(monkeypatch, nan_poison):
+    args = cases.make_inputs(dict(CASE, initial_state=False))
+    monkeypatch.setattr(cpu_backend, "HUGE_PAGE_BYTES", 0)             # every output from NumPy
+    o, state = deltarule.linear_attention(**args, backend="cpu")
+    assert torch.isfinite(o).all() and torch.isfinite(state).all()
+    want_o, want_s = expected(args)
+    assert rel(o, want_o) < 5e-5 and rel(state, want_s) < 5e-5
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_strided_slab_is_updated_where_it_lies(layout):
+    args = cases.make_inputs(dict(CASE, initial_state=False, state_layout=layout))
+    K, V = CASE["K"], CASE["V"]
+    shape = (5, 4, K, V + 3) if layout == "kv" else (5, 4, V, K + 3)
+    wide = torch.randn(*shape)
+    slab = wide[..., :-3]                                              # rows not contiguous
+    before = wide.clone()
+    idx = [4, -1, 1]
+    o, out = deltarule.linear_attention(**args, initial_state=slab, state_indices=torch.tensor(idx),
+                                        backend="cpu")
+    assert out is slab
+    dense = dict(args, initial_state=before[..., :-3][[4, 0, 1]].clone())
+    want_o, want_s = expected(dense)
+    assert rel(slab[4], want_s[0]) < 5e-5 and rel(slab[1], want_s[2]) < 5e-5
+    assert rel(o[[0, 2]], want_o[[0, 2]]) < 5e-5
+    assert torch.equal(o[1], torch.zeros_like(o[1]))                   # padding sequence
+    assert torch.equal(wide[..., -3:], before[..., -3:])               # the gaps between rows
+    for row in (0, 2, 3):
+        assert torch.equal(wide[row], before[row])
