@@ -6,14 +6,18 @@
  * tile of TILE value columns, keeps that [K, TILE] tile in a local buffer that
  * fits the L1 cache for the whole sequence, and runs the tokens one by one:
  *
- *   pass 1 (read):   r = S^T (d*b*k),  p_g = S^T (d*q_g)       (old state)
- *                    u = w*v - r,      o_g = scale * (p_g + (q_g . k) u)
- *   pass 2 (update): S = d*S + k u^T                           (in place)
+ *   pass 1 (read):   r = S^T (d*b*k),  p_g = S^T (d*q_g)       (the old state;
+ *                    u = w*v - r,      o_g = scale * (p_g + (q_g . k) u)   d folded in)
+ *   pass 2 (update): S = d*S + k u^T
  *
- * which is the recurrence of DESIGN.md section 1 read after the update:
- * S_t^T q = (D S)^T q + u (k . q). Two passes over an L1-resident tile per
- * token, four FLOPs per state element, no chunk-size trade-off, and the same
- * cost for scalar, per-key and GDN-2 gates.
+ * which is DESIGN.md section 1 read after the update: S_t^T q = (D S)^T q + u (k . q).
+ * Pass 1 reads the tile once for r and the first query (GQA groups read it
+ * again per further query), pass 2 once more: at K = V = 128 a token costs
+ * 16 vector operations per tile row, the same for every gate form.
+ *
+ * Staging. One head's rows lie Hv*K floats apart from token to token; the
+ * task copies the q and k rows of TB tokens at a time into a contiguous block,
+ * so their cache misses overlap instead of stalling each token.
  *
  * Compute only: contiguous float32 operands, validated by the caller.
  */
@@ -26,30 +30,12 @@
 #define VEC 16                       /* floats per vector */
 #define NV 4                         /* vectors per tile row */
 #define TILE (VEC * NV)              /* value columns per task: a [K, TILE] tile is 32 KB at K = 128 */
+#define TB 16                        /* tokens staged per block */
 #define UNROLL _Pragma("GCC unroll 8")
 
 typedef float vf __attribute__((vector_size(64), aligned(64)));
 
 static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-/* x . y over n floats, in 16 partial sums */
-static inline float dot(const float *x, const float *y, int64_t n)
-{
-    vf acc = splat(0);
-    int64_t i = 0;
-    for (; i + VEC <= n; i += VEC) {
-        vf a, b;
-        memcpy(&a, x + i, sizeof a);
-        memcpy(&b, y + i, sizeof b);
-        acc += a * b;
-    }
-    float sum = 0.0f;
-    for (int64_t l = 0; l < VEC; l++)
-        sum += acc[l];
-    for (; i < n; i++)
-        sum += x[i] * y[i];
-    return sum;
-}
 
 /* Gate forms: 0 absent, 1 scalar per (token, head), 2 per channel. */
 enum { ABSENT = 0, SCALAR = 1, CHANNEL = 2 };
@@ -69,68 +55,107 @@ typedef struct {
     float scale;
 } problem;
 
-/* Tokens of one head lie Hv*K floats apart: too far for the hardware
- * prefetcher, so each step asks for the rows of the step AHEAD tokens later. */
-#define AHEAD 4
+/* A thread's scratch, reused by its tasks. */
+typedef struct {
+    float *tile;                     /* [K, TILE], 64-byte aligned */
+    float *kb, *qb;                  /* staged rows: [TB, K], [TB, G*K] */
+    float *dk, *eb, *eq, *kq;        /* [K], [K], [G*K], [G] */
+} scratch;
 
-static inline void prefetch_span(const float *x, int64_t n)
+/* x . y over n floats, in 16 partial sums */
+static inline float dot(const float *x, const float *y, int64_t n)
 {
-    for (int64_t i = 0; i < n; i += 64 / (int64_t)sizeof(float))
-        __builtin_prefetch(x + i);
+    vf acc = splat(0);
+    int64_t i = 0;
+    for (; i + VEC <= n; i += VEC) {
+        vf a, b;
+        memcpy(&a, x + i, sizeof a);
+        memcpy(&b, y + i, sizeof b);
+        acc += a * b;
+    }
+    float sum = 0.0f;
+    for (int l = 0; l < VEC; l++)
+        sum += acc[l];
+    for (; i < n; i++)
+        sum += x[i] * y[i];
+    return sum;
 }
 
-/* Stores leave the core in order: one output store that misses the cache
- * holds back every tile store behind it, so the output rows are fetched for
- * writing ahead of time too. */
-static inline void prefetch_for_writing(float *x, int64_t n)
+/* acc[l] = sum_i e[i] * S[i][l]: one query's read of the tile, two partial sums per vector */
+static inline void read_tile(const vf *S, const float *e, int64_t K, vf acc[NV])
 {
-    for (int64_t i = 0; i < n; i += 64 / (int64_t)sizeof(float))
-        __builtin_prefetch(x + i, 1);
+    vf a0[NV], a1[NV];
+    UNROLL for (int l = 0; l < NV; l++) a0[l] = a1[l] = splat(0);
+    int64_t i = 0;
+    for (; i + 1 < K; i += 2) {
+        const vf x = splat(e[i]), y = splat(e[i + 1]);
+        UNROLL for (int l = 0; l < NV; l++) {
+            a0[l] += x * S[NV * i + l];
+            a1[l] += y * S[NV * (i + 1) + l];
+        }
+    }
+    if (i < K) {
+        const vf x = splat(e[i]);
+        UNROLL for (int l = 0; l < NV; l++) a0[l] += x * S[NV * i + l];
+    }
+    UNROLL for (int l = 0; l < NV; l++) acc[l] = a0[l] + a1[l];
 }
 
-static void prefetch_token(const problem *P, int64_t bt, int64_t h, int64_t hq, int64_t hk,
-                           int64_t j0, int64_t tw)
+/* read_tile for two vectors at once (the erase read and the first query), sharing the loads */
+static inline void read_tile2(const vf *S, const float *e, const float *f, int64_t K, vf r[NV], vf p[NV])
 {
-    const int64_t K = P->K, V = P->V, Hv = P->Hv, th = bt * Hv + h;
-    prefetch_span(P->k + (bt * (Hv / P->rk) + hk) * K, K);
-    prefetch_span(P->q + (bt * (Hv / P->rq) + hq) * P->G * K, P->G * K);
-    prefetch_span(P->v + th * V + j0, tw);
-    if (P->d_form == CHANNEL)
-        prefetch_span(P->d + th * K, K);
-    if (P->b_form == CHANNEL)
-        prefetch_span(P->b + th * K, K);
-    if (P->w_form == CHANNEL)
-        prefetch_span(P->w + th * V + j0, tw);
-    if (P->owner == NULL || P->owner[bt] >= 0)
-        for (int64_t g = 0; g < P->G; g++)
-            prefetch_for_writing(P->o + (th * P->G + g) * V + j0, tw);
+    vf r1[NV], p1[NV];
+    UNROLL for (int l = 0; l < NV; l++) r[l] = p[l] = r1[l] = p1[l] = splat(0);
+    int64_t i = 0;
+    for (; i + 1 < K; i += 2) {
+        const vf a = splat(e[i]), b = splat(e[i + 1]), x = splat(f[i]), y = splat(f[i + 1]);
+        UNROLL for (int l = 0; l < NV; l++) {
+            const vf s0 = S[NV * i + l], s1 = S[NV * (i + 1) + l];
+            r[l] += a * s0; p[l] += x * s0;
+            r1[l] += b * s1; p1[l] += y * s1;
+        }
+    }
+    if (i < K) {
+        const vf a = splat(e[i]), x = splat(f[i]);
+        UNROLL for (int l = 0; l < NV; l++) {
+            r[l] += a * S[NV * i + l]; p[l] += x * S[NV * i + l];
+        }
+    }
+    UNROLL for (int l = 0; l < NV; l++) {
+        r[l] += r1[l];
+        p[l] += p1[l];
+    }
 }
 
-static void run_task(const problem *P, int64_t n, int64_t h, int64_t j0,
-                     float *tile, float *eb, float *eq, float *dk, float *kq)
+static void run_task(const problem *P, int64_t n, int64_t h, int64_t j0, const scratch *W)
 {
     const int64_t K = P->K, V = P->V, G = P->G, Hv = P->Hv, T = P->T;
     const int64_t row = P->spans[5 * n], start = P->spans[5 * n + 1], end = P->spans[5 * n + 2];
     const int64_t in = P->spans[5 * n + 3], out = P->spans[5 * n + 4];
     const int64_t tw = V - j0 < TILE ? V - j0 : TILE;
     const int64_t hq = h / P->rq, hk = h / P->rk, Hq = Hv / P->rq, Hk = Hv / P->rk;
-    vf *S = (vf *)tile;              /* [K][NV] vectors */
+    float *dk = W->dk, *eb = W->eb, *eq = W->eq, *kq = W->kq;
+    vf *S = (vf *)W->tile;           /* [K][NV] vectors */
 
-    memset(tile, 0, sizeof(float) * K * TILE);
+    memset(W->tile, 0, sizeof(float) * K * TILE);
     if (in >= 0) {
         const int64_t *st = P->s0_stride;
         const float *src = P->s0 + in * st[0] + h * st[1] + j0 * st[3];
         for (int64_t i = 0; i < K; i++)
             for (int64_t j = 0; j < tw; j++)
-                tile[i * TILE + j] = src[i * st[2] + j * st[3]];
+                W->tile[i * TILE + j] = src[i * st[2] + j * st[3]];
     }
     for (int64_t t = start; t < end; t++) {
         const int64_t bt = row * T + t;                       /* token index in [B*T] */
         const int64_t th = bt * Hv + h;                       /* (token, state head) */
-        const float *kt = P->k + (bt * Hk + hk) * K;
-        const float *qt = P->q + (bt * Hq + hq) * G * K;
-        if (t + AHEAD < end)
-            prefetch_token(P, bt + AHEAD, h, hq, hk, j0, tw);
+        const int64_t slot = (t - start) % TB;
+        if (slot == 0)
+            for (int64_t s = 0; s < TB && t + s < end; s++) {
+                memcpy(W->kb + s * K, P->k + ((bt + s) * Hk + hk) * K, sizeof(float) * K);
+                memcpy(W->qb + s * G * K, P->q + ((bt + s) * Hq + hq) * G * K, sizeof(float) * G * K);
+            }
+        const float *kt = W->kb + slot * K, *qt = W->qb + slot * G * K;
+
         /* the token's key-side vectors, shared by the tile's columns */
         if (P->d_form == CHANNEL)
             memcpy(dk, P->d + th * K, sizeof(float) * K);
@@ -153,27 +178,10 @@ static void run_task(const problem *P, int64_t n, int64_t h, int64_t j0,
                 eq[g * K + i] = dk[i] * qt[g * K + i];
             kq[g] = dot(qt + g * K, kt, K);
         }
-        /* pass 1 on the old state: r = S^T eb and, for the first query, p = S^T eq */
-        vf r[NV], p[NV], r2[NV], p2[NV];
-        UNROLL for (int l = 0; l < NV; l++) r[l] = p[l] = r2[l] = p2[l] = splat(0);
-        {
-            int64_t i = 0;
-            for (; i + 1 < K; i += 2) {
-                const vf a = splat(eb[i]), c = splat(eb[i + 1]), e = splat(eq[i]), f = splat(eq[i + 1]);
-                UNROLL for (int l = 0; l < NV; l++) {
-                    const vf x = S[NV * i + l], y = S[NV * (i + 1) + l];
-                    r[l] += a * x; p[l] += e * x;
-                    r2[l] += c * y; p2[l] += f * y;
-                }
-            }
-            if (i < K) {
-                const vf a = splat(eb[i]), e = splat(eq[i]);
-                UNROLL for (int l = 0; l < NV; l++) {
-                    r[l] += a * S[NV * i + l]; p[l] += e * S[NV * i + l];
-                }
-            }
-        }
-        vf u[NV];
+
+        /* pass 1 on the old state: the erase read and the first query's read in one sweep */
+        vf r[NV], p0[NV], u[NV];
+        read_tile2(S, eb, eq, K, r, p0);
         {
             float vw[TILE] __attribute__((aligned(64)));
             const float *vt = P->v + th * V + j0;
@@ -186,31 +194,22 @@ static void run_task(const problem *P, int64_t n, int64_t h, int64_t j0,
                 for (int64_t j = 0; j < TILE; j++)
                     vw[j] = j < tw ? ws * vt[j] : 0.0f;
             }
-            UNROLL for (int l = 0; l < NV; l++) u[l] = ((vf *)vw)[l] - (r[l] + r2[l]);
+            UNROLL for (int l = 0; l < NV; l++) u[l] = ((vf *)vw)[l] - r[l];
         }
-        const vf sc = splat(P->scale);
-        const int keep = P->owner == NULL || P->owner[bt] == n;
-        for (int64_t g = 0; g < G && keep; g++) {
-            if (g > 0) {                 /* the other query heads of the group (GQA) */
-                const float *e = eq + g * K;
-                UNROLL for (int l = 0; l < NV; l++) p[l] = p2[l] = splat(0);
-                int64_t i = 0;
-                for (; i + 1 < K; i += 2) {
-                    const vf a = splat(e[i]), c = splat(e[i + 1]);
-                    UNROLL for (int l = 0; l < NV; l++) {
-                        p[l] += a * S[NV * i + l]; p2[l] += c * S[NV * (i + 1) + l];
-                    }
-                }
-                if (i < K) {
-                    const vf a = splat(e[i]);
-                    UNROLL for (int l = 0; l < NV; l++) p[l] += a * S[NV * i + l];
-                }
+        if (P->owner == NULL || P->owner[bt] == n) {
+            const vf sc = splat(P->scale);
+            for (int64_t g = 0; g < G; g++) {
+                vf p[NV], res[NV];
+                if (g == 0)
+                    UNROLL for (int l = 0; l < NV; l++) p[l] = p0[l];
+                else
+                    read_tile(S, eq + g * K, K, p);
+                const vf kqg = splat(kq[g]);
+                UNROLL for (int l = 0; l < NV; l++) res[l] = sc * (p[l] + kqg * u[l]);
+                memcpy(P->o + (th * G + g) * V + j0, res, sizeof(float) * tw);
             }
-            const vf c = splat(kq[g]);
-            vf res[NV];
-            UNROLL for (int l = 0; l < NV; l++) res[l] = sc * (p[l] + p2[l] + c * u[l]);
-            memcpy(P->o + (th * G + g) * V + j0, res, sizeof(float) * tw);
         }
+
         /* pass 2: S = d S + k u^T */
         for (int64_t i = 0; i < K; i++) {
             const vf dd = splat(dk[i]), kk = splat(kt[i]);
@@ -222,7 +221,7 @@ static void run_task(const problem *P, int64_t n, int64_t h, int64_t j0,
         float *dst = P->s + out * st[0] + h * st[1] + j0 * st[3];
         for (int64_t i = 0; i < K; i++)
             for (int64_t j = 0; j < tw; j++)
-                dst[i * st[2] + j * st[3]] = tile[i * TILE + j];
+                dst[i * st[2] + j * st[3]] = W->tile[i * TILE + j];
     }
 }
 
@@ -238,17 +237,25 @@ static void *work(void *arg)
     pool *W = arg;
     const problem *P = W->P;
     const int64_t K = P->K, G = P->G;
-    float *tile = aligned_alloc(64, sizeof(float) * K * TILE);    /* K * TILE * 4 is a multiple of 64 */
+    scratch s = {.tile = aligned_alloc(64, sizeof(float) * K * TILE)};   /* K * TILE * 4: a multiple of 64 */
+    float *rows = malloc(sizeof(float) * TB * (1 + G) * K);
     float *vecs = malloc(sizeof(float) * (K * (2 + G) + G));
-    if (!tile || !vecs)
+    if (!s.tile || !rows || !vecs)
         atomic_store(&W->failed, 1);
-    else
+    else {
+        s.kb = rows;
+        s.qb = rows + TB * K;
+        s.dk = vecs;
+        s.eb = vecs + K;
+        s.eq = vecs + 2 * K;
+        s.kq = vecs + (2 + G) * K;
         for (int64_t task; (task = atomic_fetch_add(&W->next, 1)) < W->tasks;) {
             const int64_t n = task / (P->Hv * W->tiles), rest = task % (P->Hv * W->tiles);
-            run_task(P, n, rest / W->tiles, (rest % W->tiles) * TILE,
-                     tile, vecs, vecs + K, vecs + K * (1 + G), vecs + K * (2 + G));
+            run_task(P, n, rest / W->tiles, (rest % W->tiles) * TILE, &s);
         }
-    free(tile);
+    }
+    free(s.tile);
+    free(rows);
     free(vecs);
     return NULL;
 }
