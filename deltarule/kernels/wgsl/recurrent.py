@@ -100,6 +100,11 @@ def _table(p: Problem, rows: list[int], skip: int) -> tuple[np.ndarray, int, int
     return np.concatenate(parts), owner_offset, a_log_offset, bias_offset
 
 
+def _output_buffer(nbytes: int):
+    """Zero-filled: tokens no live sequence owns read as zero (tests swap in a NaN fill)."""
+    return _device.zeros(nbytes)
+
+
 def recurrence(p: Problem, state, rows: list[int]) -> torch.Tensor:
     """Run every live sequence of `p` (slot >= 0, in span order) on the device.
 
@@ -116,7 +121,7 @@ def recurrence(p: Problem, state, rows: list[int]) -> torch.Tensor:
     """
     live = sum(s.slot >= 0 for s in p.spans)
     out_bytes = p.B * p.T * p.Ho * p.V * 4
-    out = _device.zeros(out_bytes)
+    out = _output_buffer(out_bytes)
     if live and p.B * p.T:
         buffers = {2: state, 3: out, 4: _device.upload(p.q), 5: _device.upload(p.k), 6: _device.upload(p.v)}
         b = p.beta if p.beta is not None else p.erase
