@@ -36,9 +36,10 @@ class Gpu:
 def _acquire() -> Gpu | str:
     """The process's Gpu, or the reason there is none (cached either way)."""
     try:
+        import jinja2  # noqa: F401  (the templates need it too)
         import wgpu
-    except ImportError:
-        return "wgpu is not installed: pip install 'deltarule[wgsl]'"
+    except ImportError as e:
+        return f"{e.name} is not installed: pip install 'deltarule[wgsl]'"
     try:
         adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
     except Exception as e:                      # no driver / no ICD: wgpu raises its own errors
