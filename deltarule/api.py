@@ -11,6 +11,7 @@ from . import backends as _backends
 from .errors import ContractError
 from .problem import (
     DELTA_RULES,
+    DeviceSlab,
     GATED_RULES,
     INPUT_DTYPES,
     LAYOUTS,
@@ -77,7 +78,8 @@ def linear_attention(
         scale: output scale, default K ** -0.5; must be finite.
         initial_state: float32 [N, Hv, K, V] ("kv") or [N, Hv, V, K] ("vk");
             default zeros. With `state_indices` it is a slab [S, Hv, ...]
-            updated IN PLACE and returned.
+            updated IN PLACE and returned; a device-resident slab
+            (`deltarule.kernels.wgsl.WgslStateSlab`) runs on its own backend.
         state_layout: "kv" (default) or "vk", the layout of `initial_state`
             and of the returned state.
         cu_seqlens: [N + 1] int32 / int64 packed varlen offsets; needs B == 1.
@@ -192,9 +194,16 @@ def validate(
 
     state_tail = (Hv, K, V) if state_layout == "kv" else (Hv, V, K)
     letters = "[{}, Hv, K, V]" if state_layout == "kv" else "[{}, Hv, V, K]"
-    if initial_state is not None:
+    if isinstance(initial_state, DeviceSlab):
+        if state_indices is None:
+            raise ContractError("state_indices", "slab rows when initial_state is a device slab", None)
+        if initial_state.layout != state_layout:
+            raise ContractError("state_layout", f"the device slab's layout {initial_state.layout!r}",
+                                repr(state_layout))
+    elif initial_state is not None:
         _check_tensor("initial_state", initial_state, rank=4, dtypes=(torch.float32,),
                       dtype_names="float32", device=device)
+    if initial_state is not None:
         if tuple(initial_state.shape[1:]) != state_tail or (
             state_indices is None and initial_state.shape[0] != N
         ):

@@ -18,6 +18,19 @@ LAYOUTS = ("kv", "vk")
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+class DeviceSlab:
+    """A state slab that lives in an accelerator's memory outside torch.
+
+    Accepted as `initial_state` together with `state_indices`; only the backend
+    named by `backend` runs on it. Subclasses set `backend`, `layout` ("kv" or
+    "vk") and `shape`: (S, Hv, K, V) for "kv", (S, Hv, V, K) for "vk".
+    """
+
+    backend: str
+    layout: str
+    shape: tuple[int, int, int, int]
+
+
 @dataclass(frozen=True)
 class Span:
     """One sequence: tokens `start:end` of batch row `row`; `slot` is its state row.
@@ -57,7 +70,7 @@ class Problem:
     erase: torch.Tensor | None
     write: torch.Tensor | None
     scale: float
-    initial_state: torch.Tensor | None
+    initial_state: torch.Tensor | DeviceSlab | None
     state_layout: str
     spans: tuple[Span, ...]
     in_place: bool

@@ -39,7 +39,7 @@ def test_auto_order_on_cpu():
     case = cases.test_cases()[0]
     assert compare(case, "float32", "auto").passed
     names = [b["name"] for b in deltarule.backend_info()]
-    assert names == ["cpu", "triton", "torch", "reference"]
+    assert names == ["cpu", "triton", "torch", "reference", "wgsl"]
 
 
 def test_cpu_backend_declines_other_devices():

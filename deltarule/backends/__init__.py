@@ -8,13 +8,15 @@ supports(problem) -> None or the reason it declines, and run(problem).
 from __future__ import annotations
 
 from ..errors import ContractError, Unsupported
-from ..problem import Problem
-from . import cpu_backend, reference_backend, torch_backend, triton_backend
+from ..problem import DeviceSlab, Problem
+from . import cpu_backend, reference_backend, torch_backend, triton_backend, wgsl_backend
 
 # Fastest first: "auto" takes the first available backend that accepts the call
 # (cpu declines non-CPU tensors, so CUDA tensors reach triton first; CPU tensors
-# never reach the Triton interpreter while cpu is available).
-REGISTRY = {m.NAME: m for m in (cpu_backend, triton_backend, torch_backend, reference_backend)}
+# never reach the Triton interpreter while cpu is available). wgsl is not in the order:
+# its inputs are torch tensors copied to the WebGPU device on every call, so it
+# is never the fastest choice for them; a device-resident slab routes to it.
+REGISTRY = {m.NAME: m for m in (cpu_backend, triton_backend, torch_backend, reference_backend, wgsl_backend)}
 AUTO_ORDER = ("cpu", "triton", "torch", "reference")
 
 
@@ -31,9 +33,13 @@ def info() -> list[dict]:
 
 
 def dispatch(p: Problem, backend: str):
+    device_slab = isinstance(p.initial_state, DeviceSlab)
+    if device_slab and isinstance(backend, str) and backend in REGISTRY and backend != p.initial_state.backend:
+        raise Unsupported(f"backend {backend!r} declines this call: the state slab lives on "
+                          f"the {p.initial_state.backend!r} backend's device")
     if isinstance(backend, str) and backend == "auto":
         reasons = []
-        for name in AUTO_ORDER:
+        for name in (p.initial_state.backend,) if device_slab else AUTO_ORDER:
             m = REGISTRY[name]
             reason = "not available on this machine" if not m.available() else m.supports(p)
             if reason is None:
