@@ -6,6 +6,7 @@ with the reason. Shapes stay small: lavapipe runs every invocation on the CPU.
 """
 
 import dataclasses
+import importlib.util
 import doctest
 import os
 import struct
@@ -248,3 +249,17 @@ def test_gpu_script_dry_run(tmp_path):
     for header in ("== environment ==", "== correctness ==", "== prefill ==", "== decode =="):
         assert header in proc.stdout
     assert "FAIL" not in proc.stdout and (tmp_path / "wgsl_gpu.md").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_loads_after_a_wgsl_call():
+    """lavapipe and Triton both carry LLVM: the backend loads Triton before its adapter,
+    so a process that ran a wgsl call can still import triton (it crashed before)."""
+    code = ("import torch, deltarule\n"
+            "q = k = v = torch.ones(1, 2, 1, 4)\n"
+            "deltarule.linear_attention(q, k, v, rule='linear', backend='wgsl')\n"
+            "import triton\n"
+            "print('alive')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0 and "alive" in run.stdout, run.stderr[-2000:]

@@ -8,6 +8,7 @@ Everything here is lazy: importing this module never touches a driver.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import pathlib
 from dataclasses import dataclass
 
@@ -40,6 +41,10 @@ def _acquire() -> Gpu | str:
         import wgpu
     except ImportError as e:
         return f"{e.name} is not installed: pip install 'deltarule[wgsl]'"
+    if importlib.util.find_spec("triton") is not None:
+        # Mesa's lavapipe and Triton each carry their own LLVM: loading libtriton
+        # after a lavapipe adapter exists crashes the process, the other order works.
+        import triton  # noqa: F401
     try:
         adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
     except Exception as e:                      # no driver / no ICD: wgpu raises its own errors
