@@ -1,23 +1,34 @@
-/* Fused, V-tiled recurrence of the generalized gated delta rule for the CPU.
+/* Fused recurrence of the generalized gated delta rule for the CPU.
  *
- * The columns of the state are independent: column j of S only ever meets
- * v_j, w_j and column j itself (S^T (b k) and S^T q are per column, the
- * update adds k u_j). So each task owns one sequence, one state head and a
- * tile of TILE value columns, keeps that [K, TILE] tile in a local buffer that
- * fits the L1 cache for the whole sequence, and runs the tokens one by one:
+ * Tiles. The columns of the state are independent: column j of S only ever
+ * meets v_j, w_j and column j itself (S^T (b k) and S^T q are per column, the
+ * update adds k u_j). A task owns one (sequence, state head); its state lies
+ * in [K, TILE] tiles of TILE value columns, and a tile (32 KB at K = 128)
+ * stays in the L1 cache while it runs a block of TB tokens:
  *
- *   pass 1 (read):   r = S^T (d*b*k),  p_g = S^T (d*q_g)       (the old state;
- *                    u = w*v - r,      o_g = scale * (p_g + (q_g . k) u)   d folded in)
- *   pass 2 (update): S = d*S + k u^T
+ *   read:    r = S'^T (b*k),  p_g = S'^T q_g            S' = D S, the old state decayed
+ *            u = w*v - r,     o_g = scale * (p_g + (q_g . k) u)
+ *   update:  S = S' + k u^T
  *
- * which is DESIGN.md section 1 read after the update: S_t^T q = (D S)^T q + u (k . q).
- * Pass 1 reads the tile once for r and the first query (GQA groups read it
- * again per further query), pass 2 once more: at K = V = 128 a token costs
- * 16 vector operations per tile row, the same for every gate form.
+ * which is DESIGN.md section 1 read after the update: S_t^T q = S'^T q + u (k . q).
  *
- * Staging. One head's rows lie Hv*K floats apart from token to token; the
- * task copies the q and k rows of TB tokens at a time into a contiguous block,
- * so their cache misses overlap instead of stalling each token.
+ * Lazy decay. The tiles hold S-hat with S = diag(c) S-hat. The decay folds into
+ * the key-side vectors (c' = c*d; r = S-hat^T (c'*b*k), p_g = S-hat^T (c'*q_g))
+ * and the update becomes one FMA per element, S-hat += (k / c') u^T, c = c'.
+ * When some c' leaves [LAZY_FLOOR, 1 / LAZY_FLOOR] (after about 20 / |log decay|
+ * tokens, at once for a decay that underflows, or a NaN), that token applies c'
+ * to the tiles instead (S-hat = c' S-hat + k u^T) and c restarts at 1.
+ *
+ * One sweep per token. With the lazy update, token t's update of a tile row
+ * and token t+1's reads of the same row share one load: a token costs 12
+ * vector operations per tile row (the update FMA and the two read FMAs, the
+ * same for scalar, per-key and GDN-2 gates); GQA groups read again per query.
+ *
+ * Blocks. The key-side vectors depend on the head only, not on the tile: they
+ * are formed once per token for a block of TB tokens, from the q and k rows
+ * staged contiguously (one head's rows lie Hv*K floats apart from token to
+ * token; staging them together lets their cache misses overlap), and every
+ * tile then runs the block.
  *
  * Compute only: contiguous float32 operands, validated by the caller.
  */
@@ -29,8 +40,9 @@
 
 #define VEC 16                       /* floats per vector */
 #define NV 4                         /* vectors per tile row */
-#define TILE (VEC * NV)              /* value columns per task: a [K, TILE] tile is 32 KB at K = 128 */
-#define TB 16                        /* tokens staged per block */
+#define TILE (VEC * NV)              /* value columns per tile */
+#define TB 16                        /* tokens per block */
+#define LAZY_FLOOR 0x1p-30f
 #define UNROLL _Pragma("GCC unroll 8")
 
 typedef float vf __attribute__((vector_size(64), aligned(64)));
@@ -55,11 +67,15 @@ typedef struct {
     float scale;
 } problem;
 
-/* A thread's scratch, reused by its tasks. */
+/* A thread's scratch, reused by its tasks. Key-side rows are per token of a block. */
 typedef struct {
-    float *tile;                     /* [K, TILE], 64-byte aligned */
-    float *kb, *qb;                  /* staged rows: [TB, K], [TB, G*K] */
-    float *dk, *eb, *eq, *kq;        /* [K], [K], [G*K], [G] */
+    float *tiles;                    /* [tiles, K, TILE] the head's S-hat, 64-byte aligned */
+    float *kb, *qb;                  /* staged k, q rows: [TB, K], [TB, G*K] */
+    float *cd, *eb, *eq, *kq, *kc;   /* [TB, K] c*d, [TB, K] c*d*b*k, [TB, G*K] c*d*q_g, [TB, G] q_g . k,
+                                        [TB, K] update factor: k / (c*d) (lazy) or k */
+    int *lazy;                       /* [TB] */
+    float *c;                        /* [K] the lazy scale after the block's last token */
+    float *vw;                       /* [TB, TILE] w*v of one tile, zero-padded */
 } scratch;
 
 /* x . y over n floats, in 16 partial sums */
@@ -81,27 +97,27 @@ static inline float dot(const float *x, const float *y, int64_t n)
     return sum;
 }
 
-/* acc[l] = sum_i e[i] * S[i][l]: one query's read of the tile, two partial sums per vector */
+/* acc = S^T e over a tile, two partial sums per vector */
 static inline void read_tile(const vf *S, const float *e, int64_t K, vf acc[NV])
 {
-    vf a0[NV], a1[NV];
-    UNROLL for (int l = 0; l < NV; l++) a0[l] = a1[l] = splat(0);
+    vf a1[NV];
+    UNROLL for (int l = 0; l < NV; l++) acc[l] = a1[l] = splat(0);
     int64_t i = 0;
     for (; i + 1 < K; i += 2) {
         const vf x = splat(e[i]), y = splat(e[i + 1]);
         UNROLL for (int l = 0; l < NV; l++) {
-            a0[l] += x * S[NV * i + l];
+            acc[l] += x * S[NV * i + l];
             a1[l] += y * S[NV * (i + 1) + l];
         }
     }
     if (i < K) {
         const vf x = splat(e[i]);
-        UNROLL for (int l = 0; l < NV; l++) a0[l] += x * S[NV * i + l];
+        UNROLL for (int l = 0; l < NV; l++) acc[l] += x * S[NV * i + l];
     }
-    UNROLL for (int l = 0; l < NV; l++) acc[l] = a0[l] + a1[l];
+    UNROLL for (int l = 0; l < NV; l++) acc[l] += a1[l];
 }
 
-/* read_tile for two vectors at once (the erase read and the first query), sharing the loads */
+/* r = S^T e and p = S^T f in one sweep */
 static inline void read_tile2(const vf *S, const float *e, const float *f, int64_t K, vf r[NV], vf p[NV])
 {
     vf r1[NV], p1[NV];
@@ -127,107 +143,211 @@ static inline void read_tile2(const vf *S, const float *e, const float *f, int64
     }
 }
 
-static void run_task(const problem *P, int64_t n, int64_t h, int64_t j0, const scratch *W)
+/* S_i += kc_i u, then r = S^T e and p = S^T f on the new rows while they are in registers */
+static inline void update_read(vf *S, const float *kc, const vf u[NV], const float *e, const float *f,
+                               int64_t K, vf r[NV], vf p[NV])
 {
-    const int64_t K = P->K, V = P->V, G = P->G, Hv = P->Hv, T = P->T;
-    const int64_t row = P->spans[5 * n], start = P->spans[5 * n + 1], end = P->spans[5 * n + 2];
-    const int64_t in = P->spans[5 * n + 3], out = P->spans[5 * n + 4];
-    const int64_t tw = V - j0 < TILE ? V - j0 : TILE;
-    const int64_t hq = h / P->rq, hk = h / P->rk, Hq = Hv / P->rq, Hk = Hv / P->rk;
-    float *dk = W->dk, *eb = W->eb, *eq = W->eq, *kq = W->kq;
-    vf *S = (vf *)W->tile;           /* [K][NV] vectors */
-
-    memset(W->tile, 0, sizeof(float) * K * TILE);
-    if (in >= 0) {
-        const int64_t *st = P->s0_stride;
-        const float *src = P->s0 + in * st[0] + h * st[1] + j0 * st[3];
-        for (int64_t i = 0; i < K; i++)
-            for (int64_t j = 0; j < tw; j++)
-                W->tile[i * TILE + j] = src[i * st[2] + j * st[3]];
+    vf r1[NV], p1[NV];
+    UNROLL for (int l = 0; l < NV; l++) r[l] = p[l] = r1[l] = p1[l] = splat(0);
+    int64_t i = 0;
+    for (; i + 1 < K; i += 2) {
+        const vf k0 = splat(kc[i]), k1 = splat(kc[i + 1]);
+        const vf a = splat(e[i]), b = splat(e[i + 1]), x = splat(f[i]), y = splat(f[i + 1]);
+        UNROLL for (int l = 0; l < NV; l++) {
+            const vf s0 = S[NV * i + l] + k0 * u[l], s1 = S[NV * (i + 1) + l] + k1 * u[l];
+            S[NV * i + l] = s0;
+            S[NV * (i + 1) + l] = s1;
+            r[l] += a * s0; p[l] += x * s0;
+            r1[l] += b * s1; p1[l] += y * s1;
+        }
     }
-    for (int64_t t = start; t < end; t++) {
-        const int64_t bt = row * T + t;                       /* token index in [B*T] */
-        const int64_t th = bt * Hv + h;                       /* (token, state head) */
-        const int64_t slot = (t - start) % TB;
-        if (slot == 0)
-            for (int64_t s = 0; s < TB && t + s < end; s++) {
-                memcpy(W->kb + s * K, P->k + ((bt + s) * Hk + hk) * K, sizeof(float) * K);
-                memcpy(W->qb + s * G * K, P->q + ((bt + s) * Hq + hq) * G * K, sizeof(float) * G * K);
-            }
-        const float *kt = W->kb + slot * K, *qt = W->qb + slot * G * K;
+    if (i < K) {
+        const vf k0 = splat(kc[i]), a = splat(e[i]), x = splat(f[i]);
+        UNROLL for (int l = 0; l < NV; l++) {
+            const vf s0 = S[NV * i + l] + k0 * u[l];
+            S[NV * i + l] = s0;
+            r[l] += a * s0; p[l] += x * s0;
+        }
+    }
+    UNROLL for (int l = 0; l < NV; l++) {
+        r[l] += r1[l];
+        p[l] += p1[l];
+    }
+}
 
-        /* the token's key-side vectors, shared by the tile's columns */
-        if (P->d_form == CHANNEL)
-            memcpy(dk, P->d + th * K, sizeof(float) * K);
-        else {
+/* The update alone: S_i += kc_i u (lazy) or S_i = cd_i S_i + kc_i u */
+static inline void update(vf *S, const float *kc, const float *cd, int lazy, const vf u[NV], int64_t K)
+{
+    if (lazy)
+        for (int64_t i = 0; i < K; i++) {
+            const vf kk = splat(kc[i]);
+            UNROLL for (int l = 0; l < NV; l++) S[NV * i + l] += kk * u[l];
+        }
+    else
+        for (int64_t i = 0; i < K; i++) {
+            const vf dd = splat(cd[i]), kk = splat(kc[i]);
+            UNROLL for (int l = 0; l < NV; l++) S[NV * i + l] = dd * S[NV * i + l] + kk * u[l];
+        }
+}
+
+/* Stages the block's q and k rows and forms its key-side vectors; advances c. */
+static void key_side(const problem *P, const scratch *W, int64_t bt0, int64_t h, int64_t len)
+{
+    const int64_t K = P->K, G = P->G, Hv = P->Hv;
+    const int64_t hq = h / P->rq, hk = h / P->rk, Hq = Hv / P->rq, Hk = Hv / P->rk;
+    for (int64_t s = 0; s < len; s++) {
+        memcpy(W->kb + s * K, P->k + ((bt0 + s) * Hk + hk) * K, sizeof(float) * K);
+        memcpy(W->qb + s * G * K, P->q + ((bt0 + s) * Hq + hq) * G * K, sizeof(float) * G * K);
+    }
+    float *c = W->c;
+    for (int64_t s = 0; s < len; s++) {
+        const int64_t th = (bt0 + s) * Hv + h;
+        const float *kt = W->kb + s * K, *qt = W->qb + s * G * K;
+        float *cd = W->cd + s * K, *eb = W->eb + s * K, *kc = W->kc + s * K;
+        if (P->d_form == CHANNEL) {
+            const float *dt = P->d + th * K;
+            for (int64_t i = 0; i < K; i++)
+                cd[i] = c[i] * dt[i];
+        } else {
             const float ds = P->d_form == SCALAR ? P->d[th] : 1.0f;
             for (int64_t i = 0; i < K; i++)
-                dk[i] = ds;
+                cd[i] = c[i] * ds;
         }
+        int outside = 0;             /* also set by a NaN */
+        for (int64_t i = 0; i < K; i++)
+            outside |= !(cd[i] >= LAZY_FLOOR && cd[i] <= 1.0f / LAZY_FLOOR);
+        W->lazy[s] = !outside;
         if (P->b_form == CHANNEL) {
-            const float *bt_ = P->b + th * K;
+            const float *bt = P->b + th * K;
             for (int64_t i = 0; i < K; i++)
-                eb[i] = dk[i] * bt_[i] * kt[i];
+                eb[i] = cd[i] * bt[i] * kt[i];
         } else {
             const float bs = P->b_form == SCALAR ? P->b[th] : 0.0f;
             for (int64_t i = 0; i < K; i++)
-                eb[i] = dk[i] * bs * kt[i];
+                eb[i] = cd[i] * bs * kt[i];
         }
         for (int64_t g = 0; g < G; g++) {
+            float *eq = W->eq + (s * G + g) * K;
             for (int64_t i = 0; i < K; i++)
-                eq[g * K + i] = dk[i] * qt[g * K + i];
-            kq[g] = dot(qt + g * K, kt, K);
+                eq[i] = cd[i] * qt[g * K + i];
+            W->kq[s * G + g] = dot(qt + g * K, kt, K);
         }
-
-        /* pass 1 on the old state: the erase read and the first query's read in one sweep */
-        vf r[NV], p0[NV], u[NV];
-        read_tile2(S, eb, eq, K, r, p0);
-        {
-            float vw[TILE] __attribute__((aligned(64)));
-            const float *vt = P->v + th * V + j0;
-            if (P->w_form == CHANNEL) {
-                const float *wt = P->w + th * V + j0;
-                for (int64_t j = 0; j < TILE; j++)
-                    vw[j] = j < tw ? wt[j] * vt[j] : 0.0f;
-            } else {
-                const float ws = P->w_form == SCALAR ? P->w[th] : 1.0f;
-                for (int64_t j = 0; j < TILE; j++)
-                    vw[j] = j < tw ? ws * vt[j] : 0.0f;
+        if (W->lazy[s])
+            for (int64_t i = 0; i < K; i++) {
+                kc[i] = kt[i] / cd[i];
+                c[i] = cd[i];
             }
-            UNROLL for (int l = 0; l < NV; l++) u[l] = ((vf *)vw)[l] - r[l];
+        else
+            for (int64_t i = 0; i < K; i++) {
+                kc[i] = kt[i];
+                c[i] = 1.0f;
+            }
+    }
+}
+
+/* One tile runs the block's len tokens from token index bt0 (in [B*T]) of sequence n. */
+static void run_block(const problem *P, const scratch *W, vf *S, int64_t n, int64_t bt0, int64_t h,
+                      int64_t j0, int64_t len)
+{
+    const int64_t K = P->K, V = P->V, G = P->G, Hv = P->Hv;
+    const int64_t tw = V - j0 < TILE ? V - j0 : TILE;
+    for (int64_t s = 0; s < len; s++) {
+        const int64_t th = (bt0 + s) * Hv + h;
+        const float *vt = P->v + th * V + j0;
+        float *vw = W->vw + s * TILE;
+        if (P->w_form == CHANNEL) {
+            const float *wt = P->w + th * V + j0;
+            for (int64_t j = 0; j < tw; j++)
+                vw[j] = wt[j] * vt[j];
+        } else {
+            const float ws = P->w_form == SCALAR ? P->w[th] : 1.0f;
+            for (int64_t j = 0; j < tw; j++)
+                vw[j] = ws * vt[j];
         }
-        if (P->owner == NULL || P->owner[bt] == n) {
-            const vf sc = splat(P->scale);
+        for (int64_t j = tw; j < TILE; j++)
+            vw[j] = 0.0f;
+    }
+    const vf sc = splat(P->scale);
+    vf r[NV], p0[NV];                /* token s's reads: S'^T (b k) and S'^T q_0 */
+    read_tile2(S, W->eb, W->eq, K, r, p0);
+    for (int64_t s = 0; s < len; s++) {
+        const int64_t bt = bt0 + s, th = bt * Hv + h;
+        vf u[NV];
+        UNROLL for (int l = 0; l < NV; l++) u[l] = ((const vf *)(W->vw + s * TILE))[l] - r[l];
+        if (P->owner == NULL || P->owner[bt] == n)
             for (int64_t g = 0; g < G; g++) {
                 vf p[NV], res[NV];
                 if (g == 0)
                     UNROLL for (int l = 0; l < NV; l++) p[l] = p0[l];
-                else
-                    read_tile(S, eq + g * K, K, p);
-                const vf kqg = splat(kq[g]);
-                UNROLL for (int l = 0; l < NV; l++) res[l] = sc * (p[l] + kqg * u[l]);
+                else                 /* further query heads of a GQA group, on the old state */
+                    read_tile(S, W->eq + (s * G + g) * K, K, p);
+                const vf kq = splat(W->kq[s * G + g]);
+                UNROLL for (int l = 0; l < NV; l++) res[l] = sc * (p[l] + kq * u[l]);
                 memcpy(P->o + (th * G + g) * V + j0, res, sizeof(float) * tw);
             }
+        const float *kc = W->kc + s * K, *cd = W->cd + s * K;
+        if (s + 1 < len && W->lazy[s])
+            update_read(S, kc, u, W->eb + (s + 1) * K, W->eq + (s + 1) * G * K, K, r, p0);
+        else {
+            update(S, kc, cd, W->lazy[s], u, K);
+            if (s + 1 < len)
+                read_tile2(S, W->eb + (s + 1) * K, W->eq + (s + 1) * G * K, K, r, p0);
         }
+    }
+}
 
-        /* pass 2: S = d S + k u^T */
+static void run_task(const problem *P, const scratch *W, int64_t n, int64_t h)
+{
+    const int64_t K = P->K, V = P->V, T = P->T;
+    const int64_t row = P->spans[5 * n], start = P->spans[5 * n + 1], end = P->spans[5 * n + 2];
+    const int64_t in = P->spans[5 * n + 3], out = P->spans[5 * n + 4];
+    const int64_t tiles = (V + TILE - 1) / TILE;
+
+    for (int64_t x = 0; x < tiles; x++) {
+        const int64_t j0 = x * TILE, tw = V - j0 < TILE ? V - j0 : TILE;
         for (int64_t i = 0; i < K; i++) {
-            const vf dd = splat(dk[i]), kk = splat(kt[i]);
-            UNROLL for (int l = 0; l < NV; l++) S[NV * i + l] = dd * S[NV * i + l] + kk * u[l];
+            float *dst = W->tiles + (x * K + i) * TILE;
+            if (in >= 0) {
+                const int64_t *st = P->s0_stride;
+                const float *src = P->s0 + in * st[0] + h * st[1] + i * st[2] + j0 * st[3];
+                if (st[3] == 1)
+                    memcpy(dst, src, sizeof(float) * tw);
+                else
+                    for (int64_t j = 0; j < tw; j++)
+                        dst[j] = src[j * st[3]];
+            } else
+                memset(dst, 0, sizeof(float) * tw);
+            memset(dst + tw, 0, sizeof(float) * (TILE - tw));
         }
     }
-    if (out >= 0) {
-        const int64_t *st = P->s_stride;
-        float *dst = P->s + out * st[0] + h * st[1] + j0 * st[3];
-        for (int64_t i = 0; i < K; i++)
-            for (int64_t j = 0; j < tw; j++)
-                dst[i * st[2] + j * st[3]] = W->tile[i * TILE + j];
+    for (int64_t i = 0; i < K; i++)
+        W->c[i] = 1.0f;
+    for (int64_t t = start; t < end; t += TB) {
+        const int64_t len = end - t < TB ? end - t : TB;
+        key_side(P, W, row * T + t, h, len);
+        for (int64_t x = 0; x < tiles; x++)
+            run_block(P, W, (vf *)(W->tiles + x * K * TILE), n, row * T + t, h, x * TILE, len);
     }
+    if (out >= 0)
+        for (int64_t x = 0; x < tiles; x++) {
+            const int64_t j0 = x * TILE, tw = V - j0 < TILE ? V - j0 : TILE;
+            for (int64_t i = 0; i < K; i++) {
+                const int64_t *st = P->s_stride;
+                const float *src = W->tiles + (x * K + i) * TILE, ci = W->c[i];
+                float *dst = P->s + out * st[0] + h * st[1] + i * st[2] + j0 * st[3];
+                if (st[3] == 1)
+                    for (int64_t j = 0; j < tw; j++)
+                        dst[j] = ci * src[j];
+                else
+                    for (int64_t j = 0; j < tw; j++)
+                        dst[j * st[3]] = ci * src[j];
+            }
+        }
 }
 
 typedef struct {
     const problem *P;
-    int64_t tiles, tasks;
+    int64_t tasks;
     atomic_llong next;               /* the next task to take (dynamic schedule) */
     atomic_int failed;
 } pool;
@@ -236,39 +356,41 @@ static void *work(void *arg)
 {
     pool *W = arg;
     const problem *P = W->P;
-    const int64_t K = P->K, G = P->G;
-    scratch s = {.tile = aligned_alloc(64, sizeof(float) * K * TILE)};   /* K * TILE * 4: a multiple of 64 */
-    float *rows = malloc(sizeof(float) * TB * (1 + G) * K);
-    float *vecs = malloc(sizeof(float) * (K * (2 + G) + G));
-    if (!s.tile || !rows || !vecs)
+    const int64_t K = P->K, G = P->G, tiles = (P->V + TILE - 1) / TILE;
+    scratch s = {.tiles = aligned_alloc(64, sizeof(float) * tiles * K * TILE)};  /* a multiple of 64 bytes */
+    const int64_t floats = TB * (TILE + (4 + 2 * G) * K + G) + K;
+    float *f = aligned_alloc(64, sizeof(float) * ((floats + VEC - 1) / VEC * VEC));
+    int *lazy = malloc(sizeof(int) * TB);
+    if (!s.tiles || !f || !lazy)
         atomic_store(&W->failed, 1);
     else {
-        s.kb = rows;
-        s.qb = rows + TB * K;
-        s.dk = vecs;
-        s.eb = vecs + K;
-        s.eq = vecs + 2 * K;
-        s.kq = vecs + (2 + G) * K;
-        for (int64_t task; (task = atomic_fetch_add(&W->next, 1)) < W->tasks;) {
-            const int64_t n = task / (P->Hv * W->tiles), rest = task % (P->Hv * W->tiles);
-            run_task(P, n, rest / W->tiles, (rest % W->tiles) * TILE, &s);
-        }
+        s.vw = f;                    /* first: its rows are read as aligned vectors */
+        s.kb = s.vw + TB * TILE;
+        s.qb = s.kb + TB * K;
+        s.cd = s.qb + TB * G * K;
+        s.eb = s.cd + TB * K;
+        s.kc = s.eb + TB * K;
+        s.eq = s.kc + TB * K;
+        s.kq = s.eq + TB * G * K;
+        s.c = s.kq + TB * G;
+        s.lazy = lazy;
+        for (int64_t task; (task = atomic_fetch_add(&W->next, 1)) < W->tasks;)
+            run_task(P, &s, task / P->Hv, task % P->Hv);
     }
-    free(s.tile);
-    free(rows);
-    free(vecs);
+    free(s.tiles);
+    free(f);
+    free(lazy);
     return NULL;
 }
 
-/* Runs every task on the calling thread plus threads - 1 new ones (fewer if
- * they cannot be created: the work is shared dynamically, so any number of
- * threads completes it). Plain threads rather than OpenMP: no second OpenMP
- * runtime spinning beside torch's. Returns nonzero if a buffer could not be
- * allocated (some tasks then did not run). */
+/* Runs every (sequence, head) task on the calling thread plus threads - 1 new
+ * ones (fewer if they cannot be created: the work is shared dynamically, so
+ * any number of threads completes it). Plain threads rather than OpenMP: no
+ * second OpenMP runtime spinning beside torch's. Returns nonzero if a buffer
+ * could not be allocated (some tasks then did not run). */
 int deltarule_recurrent(const problem *P, int threads)
 {
-    pool W = {.P = P, .tiles = (P->V + TILE - 1) / TILE};
-    W.tasks = P->N * P->Hv * W.tiles;
+    pool W = {.P = P, .tasks = P->N * P->Hv};
     atomic_init(&W.next, 0);
     atomic_init(&W.failed, 0);
     if (threads > W.tasks)
