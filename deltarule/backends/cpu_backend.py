@@ -44,11 +44,10 @@ def supports(p: Problem) -> str | None:
 
 
 def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
-    f32 = torch.float32
-    q, k = _prepare.normalized_qk(p)
-    q = q.to(f32).contiguous().view(p.B, p.T, p.Hq // p.G, p.G, p.K)
-    k = k.to(f32).contiguous()
-    v = p.v.to(f32).contiguous()
+    q, k = _prepare.normalized_qk(p)                # float16 / bfloat16 are widened in the kernel
+    q = q.contiguous().view(p.B, p.T, p.Hq // p.G, p.G, p.K)
+    k = k.contiguous()
+    v = p.v.contiguous()
     lam, b, w = _prepare.gates(p)
     d = None if lam is None else lam.exp().contiguous()
     shared = w is b                                  # scalar beta: one gate, one copy
@@ -56,21 +55,21 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     w = b if shared else (None if w is None else w.contiguous())
 
     spans, owner, covered = _span_table(p)
-    o = _empty((p.B, p.T, p.Hv, p.G, p.V), zero=not covered)
+    o = _empty((p.B, p.T, p.Hv, p.G, p.V), v.dtype, zero=not covered)
     S0 = p.initial_state
     if S0 is not None and p.state_layout == "vk":
         S0 = S0.transpose(-1, -2)                    # a strided [*, Hv, K, V] view, no copy
     if p.in_place:
         S = S0
     else:
-        S = _empty((p.N, p.Hv, p.V, p.K) if p.state_layout == "vk" else (p.N, p.Hv, p.K, p.V))
+        S = _empty((p.N, p.Hv, p.V, p.K) if p.state_layout == "vk" else (p.N, p.Hv, p.K, p.V), torch.float32)
         if p.state_layout == "vk":
             S = S.transpose(-1, -2)
     steps = sum(s.length + 1 for s in p.spans) * p.Hv * p.K * p.V
     threads = max(1, min(torch.get_num_threads(), steps // ELEMENT_STEPS_PER_THREAD))
     cpu_recurrent.recurrent(q, k, v, d, b, w, S0, S, o, spans, owner, p.scale, threads)
 
-    o = o.view(p.B, p.T, p.Ho, p.V).to(p.v.dtype)
+    o = o.view(p.B, p.T, p.Ho, p.V)
     if p.in_place:
         return o, p.initial_state
     return o, S.transpose(-1, -2) if p.state_layout == "vk" else S
@@ -102,15 +101,16 @@ def _span_table(p: Problem):
     return spans, torch.from_numpy(owner), bool((owner >= 0).all())
 
 
-def _empty(shape, zero: bool = False) -> torch.Tensor:
-    """A float32 tensor; large ones backed by transparent huge pages (NumPy's
+def _empty(shape, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
+    """A new tensor; large ones backed by transparent huge pages (NumPy's
     allocator), NaN-filled like torch.empty where torch fills uninitialised memory."""
     count = int(np.prod(shape))
-    if count * 4 < HUGE_PAGE_BYTES:
-        return (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32)
-    if zero:
-        return torch.from_numpy(np.zeros(count, dtype=np.float32)).view(shape)
-    x = np.empty(count, dtype=np.float32)
-    if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
-        x.fill(np.nan)
-    return torch.from_numpy(x).view(shape)
+    size = torch.empty((), dtype=dtype).element_size()
+    if count * size < HUGE_PAGE_BYTES:
+        return (torch.zeros if zero else torch.empty)(shape, dtype=dtype)
+    x = torch.from_numpy((np.zeros if zero else np.empty)(count, dtype=np.float32 if size == 4 else np.int16))
+    x = x.view(dtype).view(shape)
+    if not zero and torch.are_deterministic_algorithms_enabled() \
+            and torch.utils.deterministic.fill_uninitialized_memory:
+        x.fill_(float("nan"))
+    return x

@@ -14,6 +14,7 @@ import importlib.util
 import torch
 
 ABSENT, SCALAR, CHANNEL = 0, 1, 2        # gate forms, as in recurrent.c
+TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # element types, as in recurrent.c
 
 
 class _Problem(ctypes.Structure):
@@ -21,7 +22,7 @@ class _Problem(ctypes.Structure):
                                                       "spans", "owner")]
                 + [(name, ctypes.c_int64) for name in ("N", "T", "Hv", "K", "V", "G", "rq", "rk")]
                 + [(name, ctypes.c_int64 * 4) for name in ("s0_stride", "s_stride")]
-                + [(name, ctypes.c_int) for name in ("d_form", "b_form", "w_form")]
+                + [(name, ctypes.c_int) for name in ("d_form", "b_form", "w_form", "qk_type", "v_type")]
                 + [("scale", ctypes.c_float)])
 
 
@@ -55,13 +56,14 @@ def _form(x: torch.Tensor | None, channel_dim: int) -> int:
 def recurrent(q, k, v, d, b, w, S0, S, o, spans, owner, scale: float, threads: int) -> None:
     """Runs the recurrence; writes o and the final states.
 
-    q [B, T, Hq', G, K], k [B, T, Hk, K], v [B, T, Hv, V] float32 contiguous
-    (Hq' and Hk divide Hv; G query heads per state head);
+    q [B, T, Hq', G, K], k [B, T, Hk, K] contiguous, one dtype of TYPES;
+    v [B, T, Hv, V] contiguous, a dtype of TYPES (Hq' and Hk divide Hv; G
+    query heads per state head);
     d None | [B, T, Hv] | [B, T, Hv, K]  decay factors exp(log decay);
     b None | [B, T, Hv] | [B, T, Hv, K]  erase; w None | [B, T, Hv] | [B, T, Hv, V]  write;
     S0 [*, Hv, K, V] (any strides; None: every sequence starts from zeros) and
     S [*, Hv, K, V] (any strides; may be S0 itself, a slab updated in place)
-    are indexed by the spans' slots; o [B, T, Hv, G, V] float32 contiguous;
+    are indexed by the spans' slots; o [B, T, Hv, G, V] contiguous in v's dtype;
     spans [N, 5] int64 (row, start, end, initial slot or -1, final slot or -1);
     owner None | [B*T] int32: the span whose output a token keeps (-1: none).
     """
@@ -74,6 +76,6 @@ def recurrent(q, k, v, d, b, w, S0, S, o, spans, owner, scale: float, threads: i
         _ptr(spans), _ptr(owner),
         spans.shape[0], T, Hv, K, V, q.shape[3], Hv // q.shape[2], Hv // k.shape[2],
         (ctypes.c_int64 * 4)(*s0.stride()), (ctypes.c_int64 * 4)(*S.stride()),
-        _form(d, 4), _form(b, 4), _form(w, 4), scale)
+        _form(d, 4), _form(b, 4), _form(w, 4), TYPES[q.dtype], TYPES[v.dtype], scale)
     if _LIB.deltarule_recurrent(ctypes.byref(P), threads):
         raise MemoryError("deltarule cpu kernel: no memory for a thread's tile buffer")

@@ -30,7 +30,11 @@
  * token; staging them together lets their cache misses overlap), and every
  * tile then runs the block.
  *
- * Compute only: contiguous float32 operands, validated by the caller.
+ * Inputs. q, k and v are read in their own dtype (float32, float16 or
+ * bfloat16), widened to float32 as they are staged; o is written in v's dtype.
+ * Gates and states are float32. Accumulation is float32 throughout.
+ *
+ * Compute only: contiguous operands, validated by the caller.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -51,19 +55,61 @@ static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x
 
 /* Gate forms: 0 absent, 1 scalar per (token, head), 2 per channel. */
 enum { ABSENT = 0, SCALAR = 1, CHANNEL = 2 };
+/* Element types of q, k, v and o. */
+enum { F32 = 0, F16 = 1, BF16 = 2 };
+
+/* dst[0:n] = x[off:off+n] widened to float32 */
+static inline void widen(float *dst, const void *x, int64_t off, int64_t n, int type)
+{
+    if (type == F32)
+        memcpy(dst, (const float *)x + off, sizeof(float) * n);
+    else if (type == F16) {
+        const _Float16 *src = (const _Float16 *)x + off;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = (float)src[i];
+    } else {
+        const uint16_t *src = (const uint16_t *)x + off;
+        for (int64_t i = 0; i < n; i++) {
+            const uint32_t bits = (uint32_t)src[i] << 16;
+            memcpy(dst + i, &bits, sizeof bits);
+        }
+    }
+}
+
+/* x[off:off+n] = src[0:n] narrowed from float32, rounding to nearest even (as torch does) */
+static inline void narrow(void *x, int64_t off, const float *src, int64_t n, int type)
+{
+    if (type == F32)
+        memcpy((float *)x + off, src, sizeof(float) * n);
+    else if (type == F16) {
+        _Float16 *dst = (_Float16 *)x + off;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = (_Float16)src[i];
+    } else {
+        uint16_t *dst = (uint16_t *)x + off;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t bits;
+            memcpy(&bits, src + i, sizeof bits);
+            dst[i] = (bits & 0x7fffffffu) > 0x7f800000u
+                ? (uint16_t)((bits >> 16) | 0x40)                         /* NaN stays NaN */
+                : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
+        }
+    }
+}
 
 typedef struct {
-    const float *q, *k, *v;          /* [B, T, Hv/rq, G, K], [B, T, Hv/rk, K], [B, T, Hv, V] */
+    const void *q, *k, *v;           /* [B, T, Hv/rq, G, K], [B, T, Hv/rk, K] (qk_type), [B, T, Hv, V] (v_type) */
     const float *d, *b, *w;          /* decay factors exp(log decay), erase, write: [B, T, Hv] or
                                         [B, T, Hv, K] (d, b), [B, T, Hv, V] (w), by their forms */
     const float *s0;                 /* initial states [slot, Hv, K, V] at strides s0_stride */
     float *s;                        /* final states, strides s_stride (may be s0: a slab in place) */
-    float *o;                        /* [B, T, Hv, G, V] */
+    void *o;                         /* [B, T, Hv, G, V] (v_type) */
     const int64_t *spans;            /* [N, 5]: row, start, end, initial slot (-1: zeros), final slot (-1: none) */
     const int32_t *owner;            /* NULL, or [B*T]: the span whose output a token keeps (-1: none) */
     int64_t N, T, Hv, K, V, G, rq, rk;
     int64_t s0_stride[4], s_stride[4];   /* in floats: slot, head, key, value */
     int d_form, b_form, w_form;
+    int qk_type, v_type;
     float scale;
 } problem;
 
@@ -196,8 +242,8 @@ static void key_side(const problem *P, const scratch *W, int64_t bt0, int64_t h,
     const int64_t K = P->K, G = P->G, Hv = P->Hv;
     const int64_t hq = h / P->rq, hk = h / P->rk, Hq = Hv / P->rq, Hk = Hv / P->rk;
     for (int64_t s = 0; s < len; s++) {
-        memcpy(W->kb + s * K, P->k + ((bt0 + s) * Hk + hk) * K, sizeof(float) * K);
-        memcpy(W->qb + s * G * K, P->q + ((bt0 + s) * Hq + hq) * G * K, sizeof(float) * G * K);
+        widen(W->kb + s * K, P->k, ((bt0 + s) * Hk + hk) * K, K, P->qk_type);
+        widen(W->qb + s * G * K, P->q, ((bt0 + s) * Hq + hq) * G * K, G * K, P->qk_type);
     }
     float *c = W->c;
     for (int64_t s = 0; s < len; s++) {
@@ -253,16 +299,16 @@ static void run_block(const problem *P, const scratch *W, vf *S, int64_t n, int6
     const int64_t tw = V - j0 < TILE ? V - j0 : TILE;
     for (int64_t s = 0; s < len; s++) {
         const int64_t th = (bt0 + s) * Hv + h;
-        const float *vt = P->v + th * V + j0;
         float *vw = W->vw + s * TILE;
+        widen(vw, P->v, th * V + j0, tw, P->v_type);
         if (P->w_form == CHANNEL) {
             const float *wt = P->w + th * V + j0;
             for (int64_t j = 0; j < tw; j++)
-                vw[j] = wt[j] * vt[j];
-        } else {
-            const float ws = P->w_form == SCALAR ? P->w[th] : 1.0f;
+                vw[j] *= wt[j];
+        } else if (P->w_form == SCALAR) {
+            const float ws = P->w[th];
             for (int64_t j = 0; j < tw; j++)
-                vw[j] = ws * vt[j];
+                vw[j] *= ws;
         }
         for (int64_t j = tw; j < TILE; j++)
             vw[j] = 0.0f;
@@ -283,7 +329,7 @@ static void run_block(const problem *P, const scratch *W, vf *S, int64_t n, int6
                     read_tile(S, W->eq + (s * G + g) * K, K, p);
                 const vf kq = splat(W->kq[s * G + g]);
                 UNROLL for (int l = 0; l < NV; l++) res[l] = sc * (p[l] + kq * u[l]);
-                memcpy(P->o + (th * G + g) * V + j0, res, sizeof(float) * tw);
+                narrow(P->o, (th * G + g) * V + j0, (const float *)res, tw, P->v_type);
             }
         const float *kc = W->kc + s * K, *cd = W->cd + s * K;
         if (s + 1 < len && W->lazy[s])
