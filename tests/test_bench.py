@@ -57,11 +57,15 @@ def test_bench_command_prints_table_and_writes_json_and_plot(tmp_path, capsys):
                    "--json", str(out_json), "--plot", str(out_png)])
     assert rc == 0
     text = capsys.readouterr().out
-    for needle in ("tiny-prefill", "tiny-decode", "deltarule ms", "GFLOP/s", "ratio", "threads"):
+    for needle in ("tiny-prefill", "tiny-decode", "deltarule ms", "GFLOP/s", "ratio", "threads",
+                   "copy bandwidth"):
         assert needle in text
 
     data = json.loads(out_json.read_text())
     assert data["meta"]["threads"] >= 1
+    assert data["meta"]["copy_gb_per_s"] > 0
+    decode = next(r for r in data["results"] if r["case"]["kind"] == "decode")
+    assert f"{100 * decode['deltarule']['gb_per_s'] / data['meta']['copy_gb_per_s']:.0f}%" in text
     assert [r["case"]["name"] for r in data["results"]] == ["tiny-prefill", "tiny-decode"]
     for r in data["results"]:
         assert r["deltarule"]["status"] == "ok"

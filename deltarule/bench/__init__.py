@@ -61,6 +61,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     peer_names = [p.name for p in PEERS]
     meta = _meta(args)
+    meta["copy_gb_per_s"] = copy_bandwidth()
     results = run(cases, args)
     print(report.table(results, meta, peer_names))
     if args.json:
@@ -170,6 +171,15 @@ def _time_peer(peer, case: dict, inputs: dict, reference: tuple, dr_ms: float, a
         **_times(timing), "ratio": timing.median * 1e3 / dr_ms, "rel_err": err if math.isfinite(err) else None,
         "match": err <= TOLERANCE[args.dtype], "note": prepared.note,
     }
+
+
+def copy_bandwidth(mib: int = 256, repeat: int = 5) -> float:
+    """GB/s of torch's copy_ between two float32 tensors of `mib` MiB (bytes read +
+    written), median of `repeat`: the memory ceiling that decode is compared with."""
+    src = torch.ones(mib << 18)
+    dst = torch.empty_like(src)
+    timing = measure(lambda: dst.copy_(src), repeat, budget=5.0)
+    return 2 * src.numel() * 4 / timing.median / 1e9
 
 
 def rel_error(got: tuple, want: tuple) -> float:

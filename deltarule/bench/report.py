@@ -7,7 +7,8 @@ FLOP_MODEL = (
     "6*K*V + C*(5K+3V) + C^2/3 (C = chunk_size; ~165 kFLOP at K=V=128, C=64); "
     "decode, the recurrent model 7*K*V (docs: ALGORITHM.md, last section)"
 )
-BYTES_MODEL = "GB/s (decode): state bytes read + written, 2*N*Hv*K*V*4 per token step"
+BYTES_MODEL = ("GB/s (decode): state bytes read + written, 2*N*Hv*K*V*4 per token step; "
+               "copy: that as a share of the copy bandwidth measured at the start of the run")
 RATIO_NOTE = "ratio = peer time / deltarule time: >1 means deltarule is faster"
 
 
@@ -39,17 +40,18 @@ def throughput(case: dict, seconds: float) -> dict:
 def table(results: list[dict], meta: dict, peers: list[str]) -> str:
     """The results table with its header and footer, as one string."""
     notes = _Footnotes()
-    header = ["case", "kind", "BxT", "Hq/Hk/Hv", "deltarule ms", "tok/s", "GFLOP/s", "GB/s"]
+    header = ["case", "kind", "BxT", "Hq/Hk/Hv", "deltarule ms", "tok/s", "GFLOP/s", "GB/s", "copy"]
     for name in peers:
         header += [f"{name} ms", "ratio"]
     header.append("check")
-    rows = [_row(r, peers, notes) for r in results]
+    rows = [_row(r, peers, notes, meta.get("copy_gb_per_s")) for r in results]
     lines = [
         f"deltarule {meta['deltarule']} bench: torch {meta['torch']}, {meta['threads']} threads, "
         f"dtype {meta['dtype']}, backend {meta['backend']}, "
         + ", ".join(f"{n} {v}" for n, v in meta["peers"].items()),
         f"times: median over timed repeats after one warm-up; {RATIO_NOTE}",
         _load_line(meta),
+        _copy_line(meta),
         "",
         *_align([header, *rows]),
         "",
@@ -67,15 +69,24 @@ def _load_line(meta: dict) -> str:
     return f"{text} on {meta['cpus']} CPUs (other busy processes slow the torch paths most)"
 
 
-def _row(result: dict, peers: list[str], notes: "_Footnotes") -> list[str]:
+def _copy_line(meta: dict) -> str:
+    copy = meta.get("copy_gb_per_s")
+    if copy is None:
+        return "copy bandwidth not measured"
+    return f"copy bandwidth {copy:.3g} GB/s (torch copy_ of 256 MiB, bytes read + written, median of 5)"
+
+
+def _row(result: dict, peers: list[str], notes: "_Footnotes", copy_gb_per_s: float | None) -> list[str]:
     case = result["case"]
     dr = result["deltarule"]
     row = [case["name"], case["kind"], f"{case['B']}x{case['T']}", f"{case['Hq']}/{case['Hk']}/{case['Hv']}"]
     if dr["status"] == "ok":
+        gb = dr["gb_per_s"]
         row += [_ms(dr["median_ms"]), _si(dr["tokens_per_s"]), f"{dr['gflop_per_s']:.3g}",
-                "-" if dr["gb_per_s"] is None else f"{dr['gb_per_s']:.3g}"]
+                "-" if gb is None else f"{gb:.3g}",
+                "-" if gb is None or not copy_gb_per_s else f"{100 * gb / copy_gb_per_s:.0f}%"]
     else:
-        row += [f"err{notes.mark('deltarule: ' + dr['reason'])}", "-", "-", "-"]
+        row += [f"err{notes.mark('deltarule: ' + dr['reason'])}", "-", "-", "-", "-"]
     mismatches = []
     for name in peers:
         p = result["peers"][name]
