@@ -44,9 +44,9 @@ def supports(p: Problem) -> str | None:
 
 
 def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
-    q, k = _prepare.normalized_qk(p)                # float16 / bfloat16 are widened in the kernel
-    q = q.contiguous().view(p.B, p.T, p.Hq // p.G, p.G, p.K)
-    k = k.contiguous()
+    # float16 / bfloat16 are widened, and qk_l2norm applied, as the kernel reads q and k
+    q = p.q.contiguous().view(p.B, p.T, p.Hq // p.G, p.G, p.K)
+    k = p.k.contiguous()
     v = p.v.contiguous()
     lam, b, w = _prepare.gates(p)
     d = None if lam is None else lam.exp().contiguous()
@@ -67,7 +67,8 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
             S = S.transpose(-1, -2)
     steps = sum(s.length + 1 for s in p.spans) * p.Hv * p.K * p.V
     threads = max(1, min(torch.get_num_threads(), steps // ELEMENT_STEPS_PER_THREAD))
-    cpu_recurrent.recurrent(q, k, v, d, b, w, S0, S, o, spans, owner, p.scale, threads)
+    cpu_recurrent.recurrent(q, k, v, d, b, w, S0, S, o, spans, owner, p.scale,
+                            p.l2norm_eps if p.qk_l2norm else None, threads)
 
     o = o.view(p.B, p.T, p.Ho, p.V)
     if p.in_place:

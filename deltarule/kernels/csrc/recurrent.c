@@ -31,11 +31,13 @@
  * tile then runs the block.
  *
  * Inputs. q, k and v are read in their own dtype (float32, float16 or
- * bfloat16), widened to float32 as they are staged; o is written in v's dtype.
+ * bfloat16), widened to float32 as they are staged (and L2-normalised there
+ * with qk_l2norm); o is written in v's dtype.
  * Gates and states are float32. Accumulation is float32 throughout.
  *
  * Compute only: contiguous operands, validated by the caller.
  */
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -110,6 +112,8 @@ typedef struct {
     int64_t s0_stride[4], s_stride[4];   /* in floats: slot, head, key, value */
     int d_form, b_form, w_form;
     int qk_type, v_type;
+    int qk_l2norm;                   /* normalise staged q and k rows: x / sqrt(sum x^2 + l2norm_eps) */
+    float l2norm_eps;
     float scale;
 } problem;
 
@@ -244,6 +248,13 @@ static void key_side(const problem *P, const scratch *W, int64_t bt0, int64_t h,
     for (int64_t s = 0; s < len; s++) {
         widen(W->kb + s * K, P->k, ((bt0 + s) * Hk + hk) * K, K, P->qk_type);
         widen(W->qb + s * G * K, P->q, ((bt0 + s) * Hq + hq) * G * K, G * K, P->qk_type);
+        if (P->qk_l2norm)
+            for (int64_t g = 0; g <= G; g++) {
+                float *x = g < G ? W->qb + (s * G + g) * K : W->kb + s * K;
+                const float f = 1.0f / sqrtf(dot(x, x, K) + P->l2norm_eps);
+                for (int64_t i = 0; i < K; i++)
+                    x[i] *= f;
+            }
     }
     float *c = W->c;
     for (int64_t s = 0; s < len; s++) {
