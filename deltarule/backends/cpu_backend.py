@@ -13,6 +13,8 @@ transpose of a "vk" state. CPU tensors only; needs the compiled kernel that
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -105,8 +107,7 @@ def _span_table(p: Problem):
 def _empty(shape, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
     """A new tensor; large ones backed by transparent huge pages (NumPy's
     allocator), NaN-filled like torch.empty where torch fills uninitialised memory."""
-    count = int(np.prod(shape))
-    size = torch.empty((), dtype=dtype).element_size()
+    count, size = math.prod(shape), dtype.itemsize
     if count * size < HUGE_PAGE_BYTES:
         return (torch.zeros if zero else torch.empty)(shape, dtype=dtype)
     x = torch.from_numpy((np.zeros if zero else np.empty)(count, dtype=np.float32 if size == 4 else np.int16))
