@@ -81,3 +81,20 @@ def test_strided_slab_is_updated_where_it_lies(layout):
     assert torch.equal(wide[..., -3:], before[..., -3:])               # the gaps between rows
     for row in (0, 2, 3):
         assert torch.equal(wide[row], before[row])
+
+
+def test_output_pool_recycles_only_dropped_outputs(monkeypatch):
+    args = cases.make_inputs(dict(CASE, initial_state=False))
+    monkeypatch.setattr(cpu_backend, "HUGE_PAGE_BYTES", 0)             # every output from the pool
+    monkeypatch.setattr(cpu_backend, "_POOL", cpu_backend._OutputPool())
+    o1, s1 = deltarule.linear_attention(**args, backend="cpu")
+    kept = o1.clone()
+    o2, s2 = deltarule.linear_attention(**dict(args, v=-args["v"]), backend="cpu")
+    assert o2.data_ptr() != o1.data_ptr() and torch.equal(o1, kept)    # a live output is never reused
+    ptr = o1.data_ptr()
+    del o1
+    o3, _ = deltarule.linear_attention(**args, backend="cpu")
+    assert o3.data_ptr() == ptr and torch.equal(o3, kept)               # a dropped one is
+    monkeypatch.setattr(cpu_backend, "POOL_BYTES", 0)
+    del o2, s2, o3
+    assert cpu_backend._POOL._bytes == 0                                 # the pool's size limit holds

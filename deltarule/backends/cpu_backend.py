@@ -14,6 +14,8 @@ transpose of a "vk" state. CPU tensors only; needs the compiled kernel that
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 
 import numpy as np
 import torch
@@ -26,10 +28,13 @@ from ._features import EVERYTHING
 NAME = "cpu"
 DESCRIPTION = "native V-tiled recurrence (C, OpenMP, AVX-512 where present)"
 SUPPORTS = dict(EVERYTHING, devices="CPU tensors")
-# Fresh outputs of at least this many bytes come from NumPy, whose allocator
-# asks the kernel for transparent huge pages: the first touch of a 32 MB output
-# then costs 16 page faults instead of 8192 (docs/performance.md).
+# Outputs of at least this many bytes come from `_POOL` (below): NumPy memory on
+# transparent huge pages, recycled once the caller drops the tensor, so the
+# first touch of a 32 MB output costs no page faults after the first call
+# (docs/performance.md).
 HUGE_PAGE_BYTES = 1 << 22
+# The pool keeps at most this many bytes of dropped outputs for reuse.
+POOL_BYTES = 1 << 30
 # Each extra thread is created per call (tens of microseconds), so a call gets
 # one thread per this many state-element steps (about a millisecond of work).
 ELEMENT_STEPS_PER_THREAD = 1 << 21
@@ -105,14 +110,54 @@ def _span_table(p: Problem):
 
 
 def _empty(shape, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
-    """A new tensor; large ones backed by transparent huge pages (NumPy's
-    allocator), NaN-filled like torch.empty where torch fills uninitialised memory."""
+    """A new tensor; large ones from `_POOL`, NaN-filled like torch.empty where
+    torch fills uninitialised memory."""
     count, size = math.prod(shape), dtype.itemsize
     if count * size < HUGE_PAGE_BYTES:
         return (torch.zeros if zero else torch.empty)(shape, dtype=dtype)
-    x = torch.from_numpy((np.zeros if zero else np.empty)(count, dtype=np.float32 if size == 4 else np.int16))
-    x = x.view(dtype).view(shape)
-    if not zero and torch.are_deterministic_algorithms_enabled() \
-            and torch.utils.deterministic.fill_uninitialized_memory:
+    x = _POOL.take(count * size).view(dtype).view(shape)
+    if zero:
+        x.zero_()
+    elif torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
         x.fill_(float("nan"))
     return x
+
+
+class _OutputPool:
+    """Large output buffers, recycled when the caller drops them.
+
+    torch's CPU allocator hands big blocks back to the operating system, so
+    every fresh 32 MB output pays ~8000 page faults and the kernel's zeroing on
+    first touch. Here the memory is NumPy's (which asks for transparent huge
+    pages) and a buffer returns to the pool when the last tensor viewing it is
+    freed, for the next output of the same size: what ONNX Runtime's arena
+    does. At most `POOL_BYTES` are kept; outputs the caller keeps are never
+    touched.
+    """
+
+    def __init__(self):
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of nbytes; its memory comes back here when it dies."""
+        with self._lock:
+            blocks = self._free.get(nbytes)
+            raw = blocks.pop() if blocks else None
+            if raw is not None:
+                self._bytes -= nbytes
+        if raw is None:
+            raw = np.empty(nbytes, dtype=np.uint8)
+        view = raw[:]                                 # the tensor's own array; raw stays with the pool
+        weakref.finalize(view, self._give, raw)
+        return torch.from_numpy(view)
+
+    def _give(self, raw: np.ndarray) -> None:
+        with self._lock:
+            if self._bytes + raw.nbytes <= POOL_BYTES:
+                self._free.setdefault(raw.nbytes, []).append(raw)
+                self._bytes += raw.nbytes
+
+
+_POOL = _OutputPool()

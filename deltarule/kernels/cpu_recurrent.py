@@ -23,7 +23,7 @@ class _Problem(ctypes.Structure):
                 + [(name, ctypes.c_int64) for name in ("N", "T", "Hv", "K", "V", "G", "rq", "rk")]
                 + [(name, ctypes.c_int64 * 4) for name in ("s0_stride", "s_stride")]
                 + [(name, ctypes.c_int) for name in ("d_form", "b_form", "w_form", "qk_type", "v_type",
-                                                     "qk_l2norm")]
+                                                     "in_place", "qk_l2norm")]
                 + [(name, ctypes.c_float) for name in ("l2norm_eps", "scale")])
 
 
@@ -80,6 +80,6 @@ def recurrent(q, k, v, d, b, w, S0, S, o, spans, owner, scale: float, l2norm_eps
         spans.shape[0], T, Hv, K, V, q.shape[3], Hv // q.shape[2], Hv // k.shape[2],
         (ctypes.c_int64 * 4)(*s0.stride()), (ctypes.c_int64 * 4)(*S.stride()),
         _form(d, 4), _form(b, 4), _form(w, 4), TYPES[q.dtype], TYPES[v.dtype],
-        l2norm_eps is not None, 0.0 if l2norm_eps is None else l2norm_eps, scale)
+        S0 is not None and S.data_ptr() == S0.data_ptr(), l2norm_eps is not None, 0.0 if l2norm_eps is None else l2norm_eps, scale)
     if _LIB.deltarule_recurrent(ctypes.byref(P), threads):
         raise MemoryError("deltarule cpu kernel: no memory for a thread's tile buffer")

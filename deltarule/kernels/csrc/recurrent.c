@@ -55,6 +55,14 @@ typedef float vf __attribute__((vector_size(64), aligned(64)));
 
 static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
+/* A store that bypasses the caches (64-byte aligned dst), where the CPU has one. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline void stream(float *dst, vf x) { _mm512_stream_ps(dst, (__m512)x); }
+#else
+static inline void stream(float *dst, vf x) { memcpy(dst, &x, sizeof x); }
+#endif
+
 /* Gate forms: 0 absent, 1 scalar per (token, head), 2 per channel. */
 enum { ABSENT = 0, SCALAR = 1, CHANNEL = 2 };
 /* Element types of q, k, v and o. */
@@ -112,6 +120,7 @@ typedef struct {
     int64_t s0_stride[4], s_stride[4];   /* in floats: slot, head, key, value */
     int d_form, b_form, w_form;
     int qk_type, v_type;
+    int in_place;                    /* s is s0 (a slab): plain stores */
     int qk_l2norm;                   /* normalise staged q and k rows: x / sqrt(sum x^2 + l2norm_eps) */
     float l2norm_eps;
     float scale;
@@ -392,7 +401,13 @@ static void run_task(const problem *P, const scratch *W, int64_t n, int64_t h)
                 const int64_t *st = P->s_stride;
                 const float *src = W->tiles + (x * K + i) * TILE, ci = W->c[i];
                 float *dst = P->s + out * st[0] + h * st[1] + i * st[2] + j0 * st[3];
-                if (st[3] == 1)
+                if (st[3] == 1 && tw == TILE && ((uintptr_t)dst & 63) == 0 && !P->in_place) {
+                    /* streaming stores: a fresh state is not read back soon, and
+                     * they skip reading its old lines in first */
+                    const vf cv = splat(ci);
+                    UNROLL for (int l = 0; l < NV; l++)
+                        stream(dst + l * VEC, cv * ((const vf *)src)[l]);
+                } else if (st[3] == 1)
                     for (int64_t j = 0; j < tw; j++)
                         dst[j] = ci * src[j];
                 else
@@ -437,6 +452,7 @@ static void *work(void *arg)
     free(s.tiles);
     free(f);
     free(lazy);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);   /* orders the streaming stores before the join */
     return NULL;
 }
 
