@@ -52,6 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_recurrent import _strides, new_state
+
 CHUNK = 64
 SUB = 16
 
@@ -221,15 +223,15 @@ def _state_kernel(
     L, NC, H, Hk, K, V,
     s0_n, s0_h, s0_k, s0_v, s_n, s_h, s_k, s_v,
     HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr, HAS_ERASE: tl.constexpr,
-    HAS_INDEX: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_INDEX: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     """Chunk-to-chunk state passing for one [K, BV] state tile.
 
     u [N, L, H, V]: Ũ on entry (float32, rewritten in place as U) with
     retrieval, else v itself (input dtype, only read); y [N, L, H, K];
-    S0 read once, S written once at the end, both addressed by element
-    strides (slot, head, key, value) at row idx[n] (HAS_INDEX; a negative
+    S0 read once (zeros unless HAS_INIT), S written once at the end, both
+    addressed by element strides (slot, head, key, value) at row idx[n] (HAS_INDEX; a negative
     row: nothing read or written) or n; they may be the same memory (each
     tile is read before the same program writes it); h [N, H, NC, K, V] the
     state entering each chunk.
@@ -252,8 +254,10 @@ def _state_kernel(
     if HAS_INDEX:
         i_row = tl.load(idx + i_n).to(tl.int64)
     m_row = m_s & ((o_k * 0 + i_row) >= 0)[:, None]      # a padding row: no read, no write
-    p_s0 = S0 + i_row * s0_n + i_h * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
-    b_s = tl.load(p_s0, mask=m_row, other=0.0).to(tl.float32)
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_INIT:
+        p_s0 = S0 + i_row * s0_n + i_h * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
+        b_s = tl.load(p_s0, mask=m_row, other=0.0).to(tl.float32)
     for i_c in range(NC):
         tl.store(h + (i_nh * NC + i_c) * K * V + o_s, b_s, mask=m_s)
         o_t = i_c * BT + o_r
@@ -355,20 +359,14 @@ def _output_kernel(
         tl.store(p_o, b_o, mask=m_tv)
 
 
-def _strides(x, layout: str):
-    """(slot, head, key, value) element strides of a [S, H, K, V] ("kv") or [S, H, V, K] ("vk") state."""
-    s_n, s_h, s_a, s_b = x.stride()
-    return (s_n, s_h, s_a, s_b) if layout == "kv" else (s_n, s_h, s_b, s_a)
-
-
 def chunked(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=None, state_layout: str = "kv"):
     """Chunked prefill; returns (o [N, L, H, G, V], S), o float32.
 
     q [N, L, Hq, G, K], k [N, L, Hk, K], v [N, L, H, V] (Hq, Hk divide H);
     lam None, [N, L, H] or [N, L, H, K] (log decay); b None, [N, L, H]
     (scalar beta: w is b, or an equal tensor) or [N, L, H, K] (erase, with w
-    [N, L, H, V] the write gate); S0 float32 [N, H, K, V] ("kv") or
-    [N, H, V, K] ("vk"), any strides.
+    [N, L, H, V] the write gate); S0 None (zeros) or float32 [N, H, K, V]
+    ("kv") / [N, H, V, K] ("vk"), any strides.
 
     `S` is the output state buffer, same layout as S0 (default a new
     contiguous tensor; S0 itself updates the states in place: each state
@@ -388,11 +386,7 @@ def chunked(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=None,
     contig = lambda x: None if x is None else x.contiguous()  # noqa: E731
     q, k, v, lam, b, w = map(contig, (q, k, v, lam, b, w))
     if S is None:
-        if state_indices is not None:
-            S = S0
-        else:
-            shape = (N, H, K, V) if state_layout == "kv" else (N, H, V, K)
-            S = torch.empty(shape, dtype=torch.float32, device=v.device)
+        S = new_state(S0, state_indices, N, H, K, V, state_layout, v.device)
     o = torch.empty(N, L, H, G, V, dtype=torch.float32, device=v.device)
     if N * H == 0:
         return o, S
@@ -426,9 +420,9 @@ def chunked(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=None,
     _state_kernel[(NV, N * H)](
         k, u, y, lam, S0, S, h, idx,
         L, NC, H, Hk, K, V,
-        *_strides(S0, state_layout), *_strides(S, state_layout),
+        *(_strides(S0, state_layout) if S0 is not None else (0, 0, 0, 0)), *_strides(S, state_layout),
         HAS_DECAY=has_decay, DECAY_PER_KEY=per_key, HAS_ERASE=has_erase,
-        HAS_INDEX=idx is not None,
+        HAS_INIT=S0 is not None, HAS_INDEX=idx is not None,
         BT=BT, BK=BK, BV=BV,
     )
     if NC > 0:
