@@ -131,14 +131,16 @@ def test_slab_updated_where_it_lies(monkeypatch):
     kernel = triton_recurrent.recurrent
 
     def spy(*a, **kw):
-        seen.append((a[6], kw.get("state_indices")))
+        seen.append((a[6], kw.get("state_indices"), kw.get("spans")))
         return kernel(*a, **kw)
 
     monkeypatch.setattr(triton_recurrent, "recurrent", spy)
     monkeypatch.setattr(torch.Tensor, "index_copy_", lambda *a, **kw: pytest.fail("slab scattered"))
-    check(args, TOL["float32"])
-    (S0, idx), = seen
-    assert S0 is slab and idx.tolist() == [2, -1, 0]
+    o, _ = check(args, TOL["float32"])
+    (S0, idx, spans), = seen
+    # the padding sequence is not launched at all; the others are spans of the flat token axis
+    assert S0 is slab and idx.tolist() == [2, 0] and spans == [(0, 2), (4, 2)]
+    assert torch.count_nonzero(o[1]) == 0
 
 
 def test_initial_state_untouched():
@@ -170,6 +172,21 @@ def test_longer_prefill_runs_chunked(monkeypatch, over):
     monkeypatch.setattr(triton_chunked, "chunked", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     check(cases.make_inputs(small(B=1, T=65, initial_state=True, **over), "float32", DEVICE), 5e-5)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("cu,spans", [
+    ([0, 3, 140, 141], [(0, 3), (3, 137), (140, 1)]),       # unequal: unpacked, no padding to 137
+    ([0, 100, 90, 141], None),                               # a decreasing entry: overlapping spans, packed
+])
+def test_varlen_unpacked_unless_spans_overlap(monkeypatch, cu, spans):
+    from deltarule.kernels import triton_chunked
+
+    seen = []
+    kernel = triton_chunked.chunked
+    monkeypatch.setattr(triton_chunked, "chunked", lambda *a, **kw: seen.append(kw["spans"]) or kernel(*a, **kw))
+    check(cases.make_inputs(small(B=1, T=141, cu_seqlens=cu, decay="gk", initial_state=True), "float32", DEVICE),
+          5e-5)
+    assert seen == [spans]
 
 
 def test_varlen_with_short_spans_accepted():

@@ -22,7 +22,7 @@ import triton.language as tl  # noqa: E402
 
 import deltarule  # noqa: E402
 from deltarule import cases  # noqa: E402
-from deltarule.backends import _prepare  # noqa: E402
+from deltarule.backends import _prepare, triton_backend  # noqa: E402
 from deltarule.backends.triton_chunked_support import chunked_supported  # noqa: E402
 from deltarule.check import expected  # noqa: E402
 from deltarule.kernels import triton_chunked  # noqa: E402
@@ -34,18 +34,21 @@ pytestmark = pytest.mark.triton
 TOL = {"float32": 5e-5, "float16": 1e-2, "bfloat16": 1e-2}
 
 
-def run_chunked(args: dict, gathered: bool = False):
+def run_chunked(args: dict, mode: str = "backend"):
     """The chunked kernels on `args`, through the backend's operand preparation.
 
-    By default as the backend calls them: the initial state read where it lies
-    (any layout; a slab updated in place at `state_indices`, -1 for padding).
-    `gathered`: from a gathered K-major copy S0 that the kernels update in
-    place (S = S0).
+    "backend": as the backend calls them: varlen / ragged / padded batches unpacked (spans of
+    the flat token axis) when disjoint, the initial state read where it lies (any layout; a
+    slab updated in place at `state_indices`). "packed": sequences packed into [N, L] by
+    `_prepare.pack` (the path for overlapping spans), state where it lies. "gathered": packed,
+    from a gathered K-major copy S0 that the kernels update in place (S = S0).
     """
     p = deltarule.validate(**args)
     assert chunked_supported(p) is None
-    pk = _prepare.pack(p)
-    if gathered:
+    identity = not p.varlen and all(s.slot >= 0 for s in p.spans)
+    flat = None if identity or mode != "backend" else triton_backend.flat_spans(p)
+    pk = _prepare.Packing(L=p.T, identity=True) if flat is not None else _prepare.pack(p)
+    if mode == "gathered":
         x = _prepare.operands(p, pk)
         owned = p.initial_state is None or \
             x.S0.untyped_storage().data_ptr() != p.initial_state.untyped_storage().data_ptr()
@@ -54,11 +57,13 @@ def run_chunked(args: dict, gathered: bool = False):
         assert o.dtype == torch.float32 and S.dtype == torch.float32
         return _prepare.finish(p, pk, o, S)
     x = _prepare.operands(p, pk, gather_states=False)
+    seqs = flat if flat is not None else [(None, None, s.slot) for s in p.spans]
     idx = None
     if p.in_place:
-        idx = torch.tensor([s.slot for s in p.spans], dtype=torch.int64, device=p.device)
+        idx = torch.tensor([slot for _, _, slot in seqs], dtype=torch.int64, device=p.device)
     o, S = triton_chunked.chunked(x.q, x.k, x.v, x.lam, x.b, x.w, p.initial_state, p.scale,
-                                  state_indices=idx, state_layout=p.state_layout)
+                                  state_indices=idx, state_layout=p.state_layout,
+                                  spans=None if flat is None else [(a, n) for a, n, _ in flat])
     assert o.dtype == torch.float32 and S.dtype == torch.float32
     if p.in_place:
         assert S is p.initial_state
@@ -66,9 +71,9 @@ def run_chunked(args: dict, gathered: bool = False):
     return _prepare.finish(p, pk, o, S if p.state_layout == "kv" else S.transpose(-1, -2))
 
 
-def check(args: dict, tol: float, gathered: bool = False):
+def check(args: dict, tol: float, mode: str = "backend"):
     ref_o, ref_state = expected(args)         # before the call: a slab is updated in place
-    o, state = run_chunked(args, gathered)
+    o, state = run_chunked(args, mode)
     assert o.dtype == args["v"].dtype and state.dtype == torch.float32
     assert torch.isfinite(o).all() and torch.isfinite(state).all()
     e_o, e_s = err(o, ref_o), err(state, ref_state)
@@ -172,7 +177,7 @@ def test_in_place_state_buffer():
     """S = S0 (a gathered, owned state) updates the states in place with the same result; the
     caller's own state (either layout) is read where it lies and never written."""
     case = small(B=2, T=70, initial_state=True, state_indices=[2, 0], num_slots=3, decay="gk")
-    check(cases.make_inputs(case, "float32", DEVICE), TOL["float32"], gathered=True)
+    check(cases.make_inputs(case, "float32", DEVICE), TOL["float32"], mode="gathered")
     for layout in ("kv", "vk"):
         args = cases.make_inputs(small(B=2, T=70, initial_state=True, state_layout=layout), "float32", DEVICE)
         before = args["initial_state"].clone()
@@ -227,14 +232,39 @@ def test_strong_per_key_decay_stays_finite(case):
     small(T=150, cu_seqlens=[0, 0, 80, 80, 150], initial_state=True, Hq=2, Hk=2, Hv=4, decay="g+gk",
           state_layout="vk", K=20, V=36),
 ))
-def test_varlen_per_key_with_empty_requests(case):
-    """Packed varlen with empty requests (first and middle): they pass their state through."""
+@pytest.mark.parametrize("mode", ["backend", "packed"])
+def test_varlen_per_key_with_empty_requests(case, mode):
+    """Varlen with empty requests (first and middle), unpacked (spans of the token axis, chunk
+    indices) and packed: the empty ones pass their state through."""
     args = cases.make_inputs(case, "float32", DEVICE)
-    _, state = check(args, TOL["float32"])
+    _, state = check(args, TOL["float32"], mode)
     lengths = [b - a for a, b in zip(case["cu_seqlens"], case["cu_seqlens"][1:])]
     for n, length in enumerate(lengths):
         if length == 0:
             assert torch.equal(state[n], args["initial_state"][n])
+
+
+@pytest.mark.parametrize("case", params(
+    small(T=141, cu_seqlens=[0, 3, 140, 141], Hq=2, Hk=2, Hv=2, K=36, V=20, decay="gk",
+          update="erase_write", initial_state=True),
+    small(B=3, T=130, seq_lens=[130, 0, 5], K=20, V=36, decay="g+gk", initial_state=True,
+          state_indices=[1, -1, 3], num_slots=4, state_layout="vk"),
+    small(T=150, cu_seqlens=[4, 70, 75, 140], K=16, V=16, decay="g"),                 # uncovered tokens
+))
+def test_unpacked_spans_write_only_their_tokens(nan_poison, case):
+    """Unequal spans run unpacked (chunk indices over the flat token axis); tokens outside every
+    span, padding sequences and empty rows read as zeros, the rest as the reference."""
+    p = deltarule.validate(**cases.make_inputs(case, "float32", DEVICE))
+    assert triton_backend.flat_spans(p) is not None
+    check(cases.make_inputs(case, "float32", DEVICE), TOL["float32"])
+
+
+def test_spans_tensors():
+    """Chunk indices computed once: (sequence, chunk) per chunk, and each sequence's first chunk."""
+    seq, chunks, total = triton_chunked.spans_tensors([(0, 3), (3, 0), (3, 130), (133, 64)], 64, "cpu")
+    assert total == 5
+    assert seq.tolist() == [[0, 3, 0], [3, 0, 1], [3, 130, 1], [133, 64, 4]]
+    assert chunks.tolist() == [[0, 0], [2, 0], [2, 1], [2, 2], [3, 0]]
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])

@@ -59,7 +59,44 @@ SUB = 16
 
 
 @triton.jit
-def _pairwise_per_key(b_x, b_k, b_g, k, gc, i_n, i_c, i_h, i_hk, L, H, Hk, K,
+def _chunk_coords(i_c, i_x, seq, chunks, L, NC, H, VARLEN: tl.constexpr):
+    """(sequence, head, chunk in the sequence, first token row, length, global chunk) of a
+    chunk program: program axis 0 = i_c, the other = i_x. Packed [N, L] sequences: grid
+    (NC, N * H). VARLEN: grid (total chunks, H); chunks [*, 2] = (sequence, chunk) and
+    seq [N, 3] = (first token, length, first global chunk), computed once on the host."""
+    if VARLEN:
+        i_h = i_x
+        i_n = tl.load(chunks + 2 * i_c).to(tl.int64)
+        i_cs = tl.load(chunks + 2 * i_c + 1).to(tl.int64)
+        bos = tl.load(seq + 3 * i_n).to(tl.int64)
+        n_len = tl.load(seq + 3 * i_n + 1).to(tl.int64)
+        i_cg = tl.load(seq + 3 * i_n + 2).to(tl.int64) + i_cs
+    else:
+        i_n = i_x // H
+        i_h = i_x % H
+        i_cs = i_c
+        bos = i_n * L
+        n_len = bos * 0 + L
+        i_cg = i_n * NC + i_c
+    return i_n, i_h, i_cs, bos, n_len, i_cg
+
+
+@triton.jit
+def _seq_coords(i_n, seq, L, NC, VARLEN: tl.constexpr):
+    """(first token row, length, first global chunk) of sequence i_n."""
+    if VARLEN:
+        bos = tl.load(seq + 3 * i_n).to(tl.int64)
+        n_len = tl.load(seq + 3 * i_n + 1).to(tl.int64)
+        i_cg = tl.load(seq + 3 * i_n + 2).to(tl.int64)
+    else:
+        bos = i_n * L
+        n_len = bos * 0 + L
+        i_cg = i_n * NC
+    return bos, n_len, i_cg
+
+
+@triton.jit
+def _pairwise_per_key(b_x, b_k, b_g, k, gc, bos, i_c, n_len, i_h, i_hk, H, Hk, K,
                       STRICT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """P [BT, BT]: P_rs = Σ_k x_rk exp(G_rk - G_sk) k_sk for s < r (s <= r unless STRICT).
 
@@ -73,9 +110,9 @@ def _pairwise_per_key(b_x, b_k, b_g, k, gc, i_n, i_c, i_h, i_hk, L, H, Hk, K,
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_t = i_c * BT + o_r
-    m_t = o_t < L
+    m_t = o_t < n_len
     i_sub = o_r // BC
-    n_last = tl.minimum(L - i_c * BT, BT) - 1       # last valid row of the chunk
+    n_last = tl.minimum(n_len - i_c * BT, BT) - 1   # last valid row of the chunk
     b_p = tl.zeros([BT, BT], dtype=tl.float32)
     for j in tl.static_range(BT // BC - 1):
         n = tl.minimum(j * BC + BC - 1, n_last)     # reference: last valid token of sub-chunk j
@@ -94,7 +131,7 @@ def _pairwise_per_key(b_x, b_k, b_g, k, gc, i_n, i_c, i_h, i_hk, L, H, Hk, K,
             m_d = m_t & (o_rs < o_r)
         else:
             m_d = m_t & (o_rs <= o_r)
-        i_ts = i_n * L + i_c * BT + o_rs
+        i_ts = bos + i_c * BT + o_rs
         m_dk = m_d[:, None] & m_k[None, :]
         b_ks = tl.load(k + (i_ts * Hk + i_hk)[:, None] * K + o_k[None, :], mask=m_dk, other=0.0).to(tl.float32)
         b_gs = tl.load(gc + (i_ts * H + i_h)[:, None] * K + o_k[None, :], mask=m_dk, other=0.0)
@@ -133,16 +170,15 @@ def _unit_lower_inverse(b_a, BT: tl.constexpr, BC: tl.constexpr, LEVELS: tl.cons
 
 
 @triton.jit
-def _cumsum_kernel(lam, gc, L, H, K, BT: tl.constexpr, BK: tl.constexpr):
-    """gc [N, L, H, K]: per-key log decay summed from each chunk's start."""
-    i_c = tl.program_id(0).to(tl.int64)
-    i_nh = tl.program_id(1).to(tl.int64)
-    i_n = i_nh // H
-    i_h = i_nh % H
+def _cumsum_kernel(lam, gc, seq, chunks, L, NC, H, K,
+                   VARLEN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """gc [tokens, H, K]: per-key log decay summed from each chunk's start."""
+    i_n, i_h, i_c, bos, n_len, i_cg = _chunk_coords(
+        tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), seq, chunks, L, NC, H, VARLEN)
     o_t = i_c * BT + tl.arange(0, BT)
     o_k = tl.arange(0, BK)
-    m_tk = (o_t < L)[:, None] & (o_k < K)[None, :]
-    o_th = (i_n * L + o_t) * H + i_h
+    m_tk = (o_t < n_len)[:, None] & (o_k < K)[None, :]
+    o_th = (bos + o_t) * H + i_h
     p = o_th[:, None] * K + o_k[None, :]
     b_l = tl.load(lam + p, mask=m_tk, other=0.0).to(tl.float32)
     tl.store(gc + p, tl.cumsum(b_l, axis=0), mask=m_tk)
@@ -150,9 +186,9 @@ def _cumsum_kernel(lam, gc, L, H, K, BT: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _intra_kernel(
-    k, v, lam, gc, b, w, u, y,
-    L, H, Hk, K, V,
-    HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr,
+    k, v, lam, gc, b, w, u, y, seq, chunks,
+    L, NC, H, Hk, K, V,
+    VARLEN: tl.constexpr, HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr,
     ERASE_PER_KEY: tl.constexpr, WRITE_PER_VALUE: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, LEVELS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
@@ -161,21 +197,20 @@ def _intra_kernel(
     k [N, L, Hk, K], v [N, L, H, V], lam [N, L, H] (scalar decay), gc
     [N, L, H, K] (per key: G), b [N, L, H] or [N, L, H, K], w [N, L, H] or
     [N, L, H, V]; writes u [N, L, H, V] = T (w v) and
-    y [N, L, H, K] = T (exp(G) b k), float32.
+    y [N, L, H, K] = T (exp(G) b k), float32 (VARLEN: the token axis is the
+    flat [B * T] one and sequences are spans of it).
     """
-    i_c = tl.program_id(0).to(tl.int64)
-    i_nh = tl.program_id(1).to(tl.int64)
-    i_n = i_nh // H
-    i_h = i_nh % H
+    i_n, i_h, i_c, bos, n_len, i_cg = _chunk_coords(
+        tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), seq, chunks, L, NC, H, VARLEN)
     i_hk = i_h // (H // Hk)
 
     o_r = tl.arange(0, BT)
     o_t = i_c * BT + o_r
-    m_t = o_t < L
+    m_t = o_t < n_len
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
-    i_t = i_n * L + o_t                          # token rows in the [N * L] token axis
+    i_t = bos + o_t                              # token rows in the [N * L] (VARLEN: [B * T]) token axis
     o_th = i_t * H + i_h                         # (token, state head) rows of v, u, y and the gates
 
     b_k = tl.load(k + (i_t * Hk + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
@@ -187,7 +222,7 @@ def _intra_kernel(
     m_a = o_r[:, None] > o_r[None, :]
     if DECAY_PER_KEY:
         b_g = tl.load(gc + o_th[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_a = _pairwise_per_key(b_kb, b_k, b_g, k, gc, i_n, i_c, i_h, i_hk, L, H, Hk, K,
+        b_a = _pairwise_per_key(b_kb, b_k, b_g, k, gc, bos, i_c, n_len, i_h, i_hk, H, Hk, K,
                                 STRICT=True, BT=BT, BC=BC, BK=BK)
         b_kbe = b_kb * tl.exp(b_g)
     else:
@@ -219,10 +254,10 @@ def _intra_kernel(
 
 @triton.jit
 def _state_kernel(
-    k, u, y, lam, S0, S, h, idx,
+    k, u, y, lam, S0, S, h, idx, seq,
     L, NC, H, Hk, K, V,
     s0_n, s0_h, s0_k, s0_v, s_n, s_h, s_k, s_v,
-    HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr, HAS_ERASE: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr, HAS_ERASE: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_INDEX: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
@@ -233,14 +268,15 @@ def _state_kernel(
     S0 read once (zeros unless HAS_INIT), S written once at the end, both
     addressed by element strides (slot, head, key, value) at row idx[n] (HAS_INDEX; a negative
     row: nothing read or written) or n; they may be the same memory (each
-    tile is read before the same program writes it); h [N, H, NC, K, V] the
-    state entering each chunk.
+    tile is read before the same program writes it); h [chunks, H, K, V]
+    the state entering each chunk (global chunk order).
     """
     i_v = tl.program_id(0).to(tl.int64)
     i_nh = tl.program_id(1).to(tl.int64)
     i_n = i_nh // H
     i_h = i_nh % H
     i_hk = i_h // (H // Hk)
+    bos, n_len, i_cg = _seq_coords(i_n, seq, L, NC, VARLEN)
 
     o_r = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -258,11 +294,11 @@ def _state_kernel(
     if HAS_INIT:
         p_s0 = S0 + i_row * s0_n + i_h * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
         b_s = tl.load(p_s0, mask=m_row, other=0.0).to(tl.float32)
-    for i_c in range(NC):
-        tl.store(h + (i_nh * NC + i_c) * K * V + o_s, b_s, mask=m_s)
+    for i_c in range((n_len + BT - 1) // BT):
+        tl.store(h + ((i_cg + i_c) * H + i_h) * K * V + o_s, b_s, mask=m_s)
         o_t = i_c * BT + o_r
-        m_t = o_t < L
-        i_t = i_n * L + o_t
+        m_t = o_t < n_len
+        i_t = bos + o_t
         o_th = i_t * H + i_h
         m_tv = m_t[:, None] & m_v[None, :]
         m_tk = m_t[:, None] & m_k[None, :]
@@ -296,9 +332,9 @@ def _state_kernel(
 
 @triton.jit
 def _output_kernel(
-    q, k, u, lam, gc, h, o,
+    q, k, u, lam, gc, h, o, seq, chunks,
     scale, L, NC, H, Hq, Hk, K, V,
-    G: tl.constexpr,
+    G: tl.constexpr, VARLEN: tl.constexpr,
     HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
@@ -306,31 +342,29 @@ def _output_kernel(
 
     q [N, L, Hq, G, K]; u [N, L, H, V] (U, or v without retrieval);
     lam [N, L, H] (scalar decay) or gc [N, L, H, K] (per key: G);
-    h [N, H, NC, K, V]; o [N, L, H, G, V] float32.
+    h [chunks, H, K, V]; o [N, L, H, G, V] float32.
     """
-    i_c = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1).to(tl.int64)
-    i_nh = tl.program_id(2).to(tl.int64)
-    i_n = i_nh // H
-    i_h = i_nh % H
+    i_n, i_h, i_c, bos, n_len, i_cg = _chunk_coords(
+        tl.program_id(0).to(tl.int64), tl.program_id(2).to(tl.int64), seq, chunks, L, NC, H, VARLEN)
     i_hq = i_h // (H // Hq)
     i_hk = i_h // (H // Hk)
 
     o_r = tl.arange(0, BT)
     o_t = i_c * BT + o_r
-    m_t = o_t < L
+    m_t = o_t < n_len
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
     m_tk = m_t[:, None] & m_k[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
-    i_t = i_n * L + o_t
+    i_t = bos + o_t
     o_th = i_t * H + i_h
 
     b_k = tl.load(k + (i_t * Hk + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     b_u = tl.load(u + o_th[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-    b_s = tl.load(h + (i_nh * NC + i_c) * K * V + o_k[:, None] * V + o_v[None, :],
+    b_s = tl.load(h + (i_cg * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
                   mask=m_k[:, None] & m_v[None, :], other=0.0)
     m_m = o_r[:, None] >= o_r[None, :]
     if DECAY_PER_KEY:
@@ -348,7 +382,7 @@ def _output_kernel(
         p_q = q + ((i_t * Hq + i_hq) * G + g)[:, None] * K + o_k[None, :]
         b_q = tl.load(p_q, mask=m_tk, other=0.0).to(tl.float32)
         if DECAY_PER_KEY:
-            b_m = _pairwise_per_key(b_q, b_k, b_g, k, gc, i_n, i_c, i_h, i_hk, L, H, Hk, K,
+            b_m = _pairwise_per_key(b_q, b_k, b_g, k, gc, bos, i_c, n_len, i_h, i_hk, H, Hk, K,
                                     STRICT=False, BT=BT, BC=BC, BK=BK)
             b_o = tl.dot(b_q * b_e, b_s, input_precision="ieee")
         else:
@@ -359,19 +393,38 @@ def _output_kernel(
         tl.store(p_o, b_o, mask=m_tv)
 
 
-def chunked(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=None, state_layout: str = "kv"):
-    """Chunked prefill; returns (o [N, L, H, G, V], S), o float32.
+def spans_tensors(spans, BT: int, device):
+    """Host-side, once per call: seq [N, 3] = (first token, length, first global chunk) and
+    chunks [total, 2] = (sequence, chunk), int64 on `device`, for spans [(first token, length)]."""
+    seq, chunks, first = [], [], 0
+    for n, (bos, length) in enumerate(spans):
+        nc = -(-length // BT)
+        seq.append((bos, length, first))
+        chunks += [(n, c) for c in range(nc)]
+        first += nc
+    as_t = lambda x, w: torch.tensor(x, dtype=torch.int64).reshape(-1, w).to(device)  # noqa: E731
+    return as_t(seq, 3), as_t(chunks, 2), first
+
+
+def chunked(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=None, state_layout: str = "kv",
+            spans=None):
+    """Chunked prefill; returns (o, S), o float32.
 
     q [N, L, Hq, G, K], k [N, L, Hk, K], v [N, L, H, V] (Hq, Hk divide H);
     lam None, [N, L, H] or [N, L, H, K] (log decay); b None, [N, L, H]
     (scalar beta: w is b, or an equal tensor) or [N, L, H, K] (erase, with w
     [N, L, H, V] the write gate); S0 None (zeros) or float32 [N, H, K, V]
-    ("kv") / [N, H, V, K] ("vk"), any strides.
+    ("kv") / [N, H, V, K] ("vk"), any strides. o is [N, L, H, G, V].
+
+    `spans` (varlen, no packing): a host list of (first token, length) in the
+    flat [N * L] token axis of the operands, one per sequence, disjoint; the
+    sequence count is len(spans), chunk indices are computed once here, and
+    o [N, L, H, G, V] holds each span's outputs in place (zeros elsewhere).
 
     `S` is the output state buffer, same layout as S0 (default a new
     contiguous tensor; S0 itself updates the states in place: each state
     tile is read before it is written, by the same program). With
-    `state_indices` [N] (int), S0 is a slab: sequence n reads row
+    `state_indices` [sequences] (int), S0 is a slab: sequence n reads row
     state_indices[n] and, unless `S` is given, writes that row in place
     (negative: padding, the slab row is neither read nor written; its
     output is computed from a zero state and is the caller's to discard).
@@ -385,51 +438,64 @@ def chunked(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=None,
     Hk = k.shape[2]
     contig = lambda x: None if x is None else x.contiguous()  # noqa: E731
     q, k, v, lam, b, w = map(contig, (q, k, v, lam, b, w))
-    if S is None:
-        S = new_state(S0, state_indices, N, H, K, V, state_layout, v.device)
-    o = torch.empty(N, L, H, G, V, dtype=torch.float32, device=v.device)
-    if N * H == 0:
-        return o, S
     BT, BC = CHUNK, SUB
-    NC = triton.cdiv(L, BT)
+    varlen = spans is not None
+    if varlen:
+        seq, chunk_list, n_chunks = spans_tensors(spans, BT, v.device)
+        n_seq = len(spans)
+        covered = sum(length for _, length in spans) == N * L
+        o = (torch.empty if covered else torch.zeros)(N, L, H, G, V, dtype=torch.float32, device=v.device)
+        NC = 0                                   # unused: every chunk program reads its coordinates
+        grid_c, grid_h = n_chunks, H
+    else:
+        seq = chunk_list = None
+        n_seq = N
+        o = torch.empty(N, L, H, G, V, dtype=torch.float32, device=v.device)
+        NC = triton.cdiv(L, BT)
+        n_chunks = N * NC
+        grid_c, grid_h = NC, N * H
+    if S is None:
+        S = new_state(S0, state_indices, n_seq, H, K, V, state_layout, v.device)
+    if n_seq * H == 0:
+        return o, S
     BK = max(16, triton.next_power_of_2(K))
     BV = min(64, max(16, triton.next_power_of_2(V)))
     NV = triton.cdiv(V, BV)
     has_decay = lam is not None
     per_key = has_decay and lam.dim() == 4
-    has_erase = b is not None and NC > 0
+    has_erase = b is not None and n_chunks > 0
     gc = None
-    if per_key and NC > 0:
-        gc = torch.empty(N, L, H, K, dtype=torch.float32, device=v.device)
-        _cumsum_kernel[(NC, N * H)](lam, gc, L, H, K, BT=BT, BK=BK)
+    if per_key and n_chunks > 0:
+        gc = torch.empty(lam.shape, dtype=torch.float32, device=v.device)
+        _cumsum_kernel[(grid_c, grid_h)](lam, gc, seq, chunk_list, L, NC, H, K, VARLEN=varlen, BT=BT, BK=BK)
     u, y = v, None
     if has_erase:
         u = torch.empty(N, L, H, V, dtype=torch.float32, device=v.device)
         y = torch.empty(N, L, H, K, dtype=torch.float32, device=v.device)
-        _intra_kernel[(NC, N * H)](
-            k, v, lam, gc, b, w, u, y,
-            L, H, Hk, K, V,
-            HAS_DECAY=has_decay, DECAY_PER_KEY=per_key,
+        _intra_kernel[(grid_c, grid_h)](
+            k, v, lam, gc, b, w, u, y, seq, chunk_list,
+            L, NC, H, Hk, K, V,
+            VARLEN=varlen, HAS_DECAY=has_decay, DECAY_PER_KEY=per_key,
             ERASE_PER_KEY=b.dim() == 4, WRITE_PER_VALUE=w.dim() == 4,
             BT=BT, BC=BC, LEVELS=(BT // BC).bit_length() - 1, BK=BK, BV=BV,
         )
-    h = torch.empty(N, H, max(NC, 1), K, V, dtype=torch.float32, device=v.device)
+    h = torch.empty(max(n_chunks, 1), H, K, V, dtype=torch.float32, device=v.device)
     idx = None
     if state_indices is not None:
         idx = state_indices.to(device=v.device, dtype=torch.int64).contiguous()
-    _state_kernel[(NV, N * H)](
-        k, u, y, lam, S0, S, h, idx,
+    _state_kernel[(NV, n_seq * H)](
+        k, u, y, lam, S0, S, h, idx, seq,
         L, NC, H, Hk, K, V,
         *(_strides(S0, state_layout) if S0 is not None else (0, 0, 0, 0)), *_strides(S, state_layout),
-        HAS_DECAY=has_decay, DECAY_PER_KEY=per_key, HAS_ERASE=has_erase,
+        VARLEN=varlen, HAS_DECAY=has_decay, DECAY_PER_KEY=per_key, HAS_ERASE=has_erase,
         HAS_INIT=S0 is not None, HAS_INDEX=idx is not None,
         BT=BT, BK=BK, BV=BV,
     )
-    if NC > 0:
-        _output_kernel[(NC, NV, N * H)](
-            q, k, u, lam, gc, h, o,
+    if n_chunks > 0:
+        _output_kernel[(grid_c, NV, grid_h)](
+            q, k, u, lam, gc, h, o, seq, chunk_list,
             float(scale), L, NC, H, Hq, Hk, K, V,
-            G=G, HAS_DECAY=has_decay, DECAY_PER_KEY=per_key,
+            G=G, VARLEN=varlen, HAS_DECAY=has_decay, DECAY_PER_KEY=per_key,
             BT=BT, BC=BC, BK=BK, BV=BV,
         )
     return o, S

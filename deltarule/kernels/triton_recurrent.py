@@ -30,10 +30,10 @@ import triton.language as tl
 
 @triton.jit
 def _recurrent_kernel(
-    q, k, v, lam, b, w, S0, S, o, idx,
+    q, k, v, lam, b, w, S0, S, o, idx, seq,
     scale, L, H, Hq, Hk, K, V,
     s0_n, s0_h, s0_k, s0_v, s_n, s_h, s_k, s_v,
-    G: tl.constexpr, HAS_INIT: tl.constexpr, HAS_INDEX: tl.constexpr,
+    G: tl.constexpr, VARLEN: tl.constexpr, HAS_INIT: tl.constexpr, HAS_INDEX: tl.constexpr,
     HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr,
     HAS_ERASE: tl.constexpr, ERASE_PER_KEY: tl.constexpr,
     HAS_WRITE: tl.constexpr, WRITE_PER_VALUE: tl.constexpr,
@@ -49,6 +49,8 @@ def _recurrent_kernel(
     K-major and V-major states alike, at row idx[n] (HAS_INDEX: a slab; a
     negative row is a padding sequence: nothing read or written) or n. S may
     be S0 itself (in place: each program touches only its own tile).
+    VARLEN: sequence n is the span seq[n, 0] .. + seq[n, 1] of the flat token
+    axis (no packing); else tokens n * L .. + L.
     """
     i_v = tl.program_id(0).to(tl.int64)
     i_nh = tl.program_id(1).to(tl.int64)
@@ -72,8 +74,14 @@ def _recurrent_kernel(
         p_s0 = S0 + i_row * s0_n + i_h * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
         b_s = tl.load(p_s0, mask=m_row, other=0.0).to(tl.float32)
 
-    for t in range(L):
-        i_t = i_n * L + t                       # token row in the [N * L] token axis
+    if VARLEN:
+        bos = tl.load(seq + 3 * i_n).to(tl.int64)
+        n_len = tl.load(seq + 3 * i_n + 1).to(tl.int64)
+    else:
+        bos = i_n * L
+        n_len = bos * 0 + L
+    for t in range(n_len):
+        i_t = bos + t                           # token row in the flat token axis
         o_th = i_t * H + i_h                    # (token, state head) row of v, o and the gates
         p_k = k + (i_t * Hk + i_hk) * K + o_k
         p_v = v + o_th * V + o_v
@@ -125,7 +133,8 @@ def new_state(S0, state_indices, N: int, H: int, K: int, V: int, layout: str, de
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
-def recurrent(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=None, state_layout: str = "kv"):
+def recurrent(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=None, state_layout: str = "kv",
+              spans=None):
     """Run the fused recurrence; returns (o [N, L, H, G, V] float32, S).
 
     q [N, L, Hq, G, K], k [N, L, Hk, K], v [N, L, H, V]; lam, b: None,
@@ -137,29 +146,36 @@ def recurrent(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=Non
     state_indices[n] and, unless `S` is given, writes that row in place;
     a negative index is padding: that slab row is neither read nor written
     (the sequence's output is computed from a zero state; the caller
-    discards it).
+    discards it). `spans` (varlen, no packing): a host list of disjoint
+    (first token, length) in the flat [N * L] token axis, one per sequence;
+    o [N, L, H, G, V] then holds each span's outputs in place (zeros elsewhere).
     """
     N, L, H, V = v.shape
     Hq, G, K = q.shape[2], q.shape[3], q.shape[4]
     Hk = k.shape[2]
     contig = lambda x: None if x is None else x.contiguous()  # noqa: E731
     q, k, v, lam, b, w = map(contig, (q, k, v, lam, b, w))
+    n_seq, seq, covered = N, None, True
+    if spans is not None:
+        n_seq = len(spans)
+        seq = torch.tensor([(bos, n, 0) for bos, n in spans], dtype=torch.int64).reshape(-1, 3).to(v.device)
+        covered = sum(n for _, n in spans) == N * L
     if S is None:
-        S = new_state(S0, state_indices, N, H, K, V, state_layout, v.device)
-    o = torch.empty(N, L, H, G, V, dtype=torch.float32, device=v.device)
-    if N * H == 0:
+        S = new_state(S0, state_indices, n_seq, H, K, V, state_layout, v.device)
+    o = (torch.empty if covered else torch.zeros)(N, L, H, G, V, dtype=torch.float32, device=v.device)
+    if n_seq * H == 0:
         return o, S
     idx = None
     if state_indices is not None:
         idx = state_indices.to(device=v.device, dtype=torch.int64).contiguous()
     BK = triton.next_power_of_2(K)
     BV = min(64, triton.next_power_of_2(V))
-    grid = (triton.cdiv(V, BV), N * H)
+    grid = (triton.cdiv(V, BV), n_seq * H)
     _recurrent_kernel[grid](
-        q, k, v, lam, b, w, S0, S, o, idx,
+        q, k, v, lam, b, w, S0, S, o, idx, seq,
         float(scale), L, H, Hq, Hk, K, V,
         *(_strides(S0, state_layout) if S0 is not None else (0, 0, 0, 0)), *_strides(S, state_layout),
-        G=G, HAS_INIT=S0 is not None, HAS_INDEX=idx is not None,
+        G=G, VARLEN=seq is not None, HAS_INIT=S0 is not None, HAS_INDEX=idx is not None,
         HAS_DECAY=lam is not None, DECAY_PER_KEY=lam is not None and lam.dim() == 4,
         HAS_ERASE=b is not None, ERASE_PER_KEY=b is not None and b.dim() == 4,
         HAS_WRITE=w is not None, WRITE_PER_VALUE=w is not None and w.dim() == 4,
