@@ -35,6 +35,7 @@ from deltarule.kernels import triton_recurrent as tr  # noqa: E402
 
 SHARED_LIMIT = {90: 232448, 80: 166912, 89: 101376}      # bytes per block (opt-in maximum)
 INTS = ("L", "H", "Hk", "Hq", "K", "V", "NC")
+NO_SEQ = {"seq": None, "chunks": None}
 STRIDES = ("s0_n", "s0_h", "s0_k", "s0_v", "s_n", "s_h", "s_k", "s_v")
 
 
@@ -45,34 +46,39 @@ def variants(K: int, V: int, dt: str):
     rec_BK, rec_BV = triton.next_power_of_2(K), min(64, triton.next_power_of_2(V))
     chunk = dict(BT=tc.CHUNK, BK=BK)
     LEVELS = (tc.CHUNK // tc.SUB).bit_length() - 1
-    out = [("cumsum", tc._cumsum_kernel, dict(chunk))]
+    out = [("cumsum", tc._cumsum_kernel, dict(chunk, VARLEN=False, seq=None, chunks=None)),
+           ("cumsum varlen", tc._cumsum_kernel, dict(chunk, VARLEN=True))]
     for per_key in (False, True):
         for erase_pk in (False, True):
             out.append((f"intra decay={'gk' if per_key else 'g'} {'erase/write' if erase_pk else 'beta'}",
                         tc._intra_kernel,
                         dict(chunk, HAS_DECAY=True, DECAY_PER_KEY=per_key, ERASE_PER_KEY=erase_pk,
-                             WRITE_PER_VALUE=erase_pk, BC=tc.SUB, LEVELS=LEVELS, BV=BV,
-                             **({} if per_key else {"gc": None}))))
-        for has_index in (False, True):
-            out.append((f"state decay={'gk' if per_key else 'g'} {'slab' if has_index else 'state'}",
+                             WRITE_PER_VALUE=erase_pk, BC=tc.SUB, LEVELS=LEVELS, BV=BV, VARLEN=erase_pk,
+                             **({} if per_key else {"gc": None}), **({} if erase_pk else NO_SEQ))))
+        for has_index in (False, True):         # the slab variant also varlen
+            out.append((f"state decay={'gk' if per_key else 'g'} {'slab varlen' if has_index else 'state'}",
                         tc._state_kernel,
                         dict(chunk, HAS_DECAY=True, DECAY_PER_KEY=per_key, HAS_ERASE=True, HAS_INIT=True,
-                             HAS_INDEX=has_index, BV=BV, **({} if has_index else {"idx": None}))))
-        out.append((f"output decay={'gk' if per_key else 'g'} G=2", tc._output_kernel,
-                    dict(chunk, G=2, HAS_DECAY=True, DECAY_PER_KEY=per_key, BC=tc.SUB, BV=BV,
-                         **({} if per_key else {"gc": None}))))
+                             HAS_INDEX=has_index, BV=BV, VARLEN=has_index,
+                             **({} if has_index else {"idx": None, "seq": None}))))
+        for varlen in (False, True):
+            out.append((f"output decay={'gk' if per_key else 'g'} G=2{' varlen' if varlen else ''}", tc._output_kernel,
+                        dict(chunk, G=2, HAS_DECAY=True, DECAY_PER_KEY=per_key, BC=tc.SUB, BV=BV, VARLEN=varlen,
+                             **({} if per_key else {"gc": None}), **({} if varlen else NO_SEQ))))
         for erase_pk in (False, True):
-            out.append((f"recurrent decay={'gk' if per_key else 'g'} {'erase/write' if erase_pk else 'beta'} slab",
+            out.append((f"recurrent decay={'gk' if per_key else 'g'} {'erase/write' if erase_pk else 'beta'} slab"
+                        f"{' varlen' if erase_pk else ''}",
                         tr._recurrent_kernel,
-                        dict(G=1, HAS_INIT=True, HAS_INDEX=True, HAS_DECAY=True, DECAY_PER_KEY=per_key,
+                        dict(G=1, HAS_INIT=True, HAS_INDEX=True, VARLEN=erase_pk, **({} if erase_pk else {"seq": None}),
+                             HAS_DECAY=True, DECAY_PER_KEY=per_key,
                              HAS_ERASE=True, ERASE_PER_KEY=erase_pk, HAS_WRITE=True, WRITE_PER_VALUE=erase_pk,
                              BK=rec_BK, BV=rec_BV)))
     out.append(("intra no decay beta", tc._intra_kernel,
                 dict(chunk, HAS_DECAY=False, DECAY_PER_KEY=False, ERASE_PER_KEY=False, WRITE_PER_VALUE=False,
-                     BC=tc.SUB, LEVELS=LEVELS, BV=BV, lam=None, gc=None)))
+                     BC=tc.SUB, LEVELS=LEVELS, BV=BV, lam=None, gc=None, VARLEN=False, **NO_SEQ)))
     out.append(("state linear (no decay, no erase)", tc._state_kernel,
                 dict(chunk, HAS_DECAY=False, DECAY_PER_KEY=False, HAS_ERASE=False, HAS_INIT=False,
-                     HAS_INDEX=False, BV=BV, lam=None, y=None, S0=None, idx=None)))
+                     HAS_INDEX=False, BV=BV, lam=None, y=None, S0=None, idx=None, VARLEN=False, seq=None)))
     return out
 
 
@@ -82,6 +88,9 @@ def compile_one(fn, consts: dict, dt: str, target, num_warps: int):
     types.update(scale="fp32", idx="*i64")
     for n in ("q", "k", "v"):
         types[n] = "*" + dt
+    missing = [n for n, p in zip(fn.arg_names, fn.params) if p.is_constexpr and n not in consts]
+    if missing:
+        raise ValueError(f"constexpr parameters not given: {missing}")
     sig = {n: ("constexpr" if n in consts else types.get(n, "*fp32")) for n in fn.arg_names}
     return triton.compile(ASTSource(fn, sig, constexprs=consts), target=target, options={"num_warps": num_warps})
 
