@@ -59,7 +59,7 @@ def variants(K: int, V: int, dt: str):
             out.append((f"state decay={'gk' if per_key else 'g'} {'slab varlen' if has_index else 'state'}",
                         tc._state_kernel,
                         dict(chunk, HAS_DECAY=True, DECAY_PER_KEY=per_key, HAS_ERASE=True, HAS_INIT=True,
-                             HAS_INDEX=has_index, BV=BV, VARLEN=has_index,
+                             HAS_INDEX=has_index, BV=BV, VARLEN=has_index, **({} if per_key else {"gc": None}),
                              **({} if has_index else {"idx": None, "seq": None}))))
         for varlen in (False, True):
             out.append((f"output decay={'gk' if per_key else 'g'} G=2{' varlen' if varlen else ''}", tc._output_kernel,
@@ -78,7 +78,7 @@ def variants(K: int, V: int, dt: str):
                      BC=tc.SUB, LEVELS=LEVELS, BV=BV, lam=None, gc=None, VARLEN=False, **NO_SEQ)))
     out.append(("state linear (no decay, no erase)", tc._state_kernel,
                 dict(chunk, HAS_DECAY=False, DECAY_PER_KEY=False, HAS_ERASE=False, HAS_INIT=False,
-                     HAS_INDEX=False, BV=BV, lam=None, y=None, S0=None, idx=None, VARLEN=False, seq=None)))
+                     HAS_INDEX=False, BV=BV, lam=None, gc=None, y=None, S0=None, idx=None, VARLEN=False, seq=None)))
     return out
 
 

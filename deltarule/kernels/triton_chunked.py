@@ -11,23 +11,27 @@ per key channel) and Γ_rs = exp(G_r - G_s) for r >= s:
     O = scale [(Q ⊙ exp(G)) S0 + M U]
     S_C = diag(exp(G_C)) S0 + (K ⊙ exp(G_C - G))^T U
 
-Four kernels, float32 throughout:
+Four kernels, float32 throughout. Chunk kernels run one program per (chunk,
+state head): grid (NC, N * H) over packed [N, L] sequences, or, VARLEN, grid
+(total chunks, H) over spans of the flat token axis with the chunk indices
+(sequence, chunk) computed once on the host (`spans_tensors`), so sequences of
+very different lengths cost no padding.
 
-0. `_cumsum_kernel`, grid (NC, N * H), per-key decay only: G per chunk into a
-   float32 scratch gc [N, L, H, K] (so other rows' G can be loaded).
-1. `_intra_kernel`, grid (NC, N * H), only for the delta rules: A (scalar
-   decay: one product masked by the C x C decay matrix; per key:
-   `_pairwise_per_key`), T by `_unit_lower_inverse` (16 x 16 diagonal blocks,
-   then block merges), Ũ [N, L, H, V] and Y [N, L, H, K].
-2. `_state_kernel`, grid (cdiv(V, BV), N * H): keeps the [K, BV] state tile in
-   registers across the chunks, stores each chunk's entering state
-   [N, H, NC, K, V], turns Ũ into U in place, stores the final state. It
-   reads the initial state from, and writes the final state to, row
-   `idx[n]` of a slab with arbitrary strides (a K-major or V-major state, in
-   place or not); a negative row is a padding sequence: no read, no write.
-   Without retrieval U is v itself (T = I, w absent).
-3. `_output_kernel`, grid (NC, cdiv(V, BV), N * H): O for the G query rows of
-   the state head.
+0. `_cumsum_kernel`, per-key decay only: G per chunk into a float32 scratch
+   gc [tokens, H, K] (so other rows' G can be loaded).
+1. `_intra_kernel`, only for the delta rules: A (scalar decay: one product
+   masked by the C x C decay matrix; per key: `_pairwise_per_key`), T by
+   `_unit_lower_inverse` (16 x 16 diagonal blocks, then block merges),
+   Ũ [tokens, H, V] and Y [tokens, H, K].
+2. `_state_kernel`, grid (cdiv(V, BV), sequences * H): keeps the [K, BV]
+   state tile in registers across the chunks of its sequence, stores each
+   chunk's entering state h [chunks, H, K, V], turns Ũ into U in place,
+   stores the final state. It reads the initial state from, and writes the
+   final state to, row `idx[n]` (or n) of a state or slab with arbitrary
+   strides (K-major or V-major, in place or not); a negative row is a padding
+   sequence: no read, no write. Without retrieval U is v itself (T = I).
+3. `_output_kernel`, grid (chunks, cdiv(V, BV), heads): O for the G query
+   rows of the state head.
 
 Numerical safety: no exponent is ever positive. With scalar decay every
 exponent is a difference G_r - G_s with r >= s, masked before `exp`. With
@@ -254,7 +258,7 @@ def _intra_kernel(
 
 @triton.jit
 def _state_kernel(
-    k, u, y, lam, S0, S, h, idx, seq,
+    k, u, y, lam, gc, S0, S, h, idx, seq,
     L, NC, H, Hk, K, V,
     s0_n, s0_h, s0_k, s0_v, s_n, s_h, s_k, s_v,
     VARLEN: tl.constexpr, HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr, HAS_ERASE: tl.constexpr,
@@ -265,6 +269,7 @@ def _state_kernel(
 
     u [N, L, H, V]: Ũ on entry (float32, rewritten in place as U) with
     retrieval, else v itself (input dtype, only read); y [N, L, H, K];
+    lam [N, L, H] (scalar decay) or gc [N, L, H, K] (per key: G);
     S0 read once (zeros unless HAS_INIT), S written once at the end, both
     addressed by element strides (slot, head, key, value) at row idx[n] (HAS_INDEX; a negative
     row: nothing read or written) or n; they may be the same memory (each
@@ -312,11 +317,11 @@ def _state_kernel(
 
         b_k = tl.load(k + (i_t * Hk + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         if HAS_DECAY:
-            if DECAY_PER_KEY:
-                b_l = tl.load(lam + o_th[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-                b_g = tl.cumsum(b_l, axis=0)
-                b_gl = tl.sum(b_l, axis=0)       # G at the chunk's end, per key (masked tokens add 0)
-                b_k = b_k * tl.exp(b_gl[None, :] - b_g)
+            if DECAY_PER_KEY:                    # G from the cumsum kernel's scratch: no scan here
+                b_g = tl.load(gc + o_th[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+                i_last = bos + i_c * BT + tl.minimum(n_len - i_c * BT, BT) - 1
+                b_gl = tl.load(gc + (i_last * H + i_h) * K + o_k, mask=m_k, other=0.0)   # G at the chunk's end
+                b_k = b_k * tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.0))
                 b_s = b_s * tl.exp(b_gl)[:, None]
             else:
                 b_l = tl.load(lam + o_th, mask=m_t, other=0.0).to(tl.float32)
@@ -465,8 +470,9 @@ def chunked(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=None,
     per_key = has_decay and lam.dim() == 4
     has_erase = b is not None and n_chunks > 0
     gc = None
-    if per_key and n_chunks > 0:
+    if per_key:                       # allocated even without chunks: the state kernel takes a pointer
         gc = torch.empty(lam.shape, dtype=torch.float32, device=v.device)
+    if per_key and n_chunks > 0:
         _cumsum_kernel[(grid_c, grid_h)](lam, gc, seq, chunk_list, L, NC, H, K, VARLEN=varlen, BT=BT, BK=BK)
     u, y = v, None
     if has_erase:
@@ -484,7 +490,7 @@ def chunked(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=None,
     if state_indices is not None:
         idx = state_indices.to(device=v.device, dtype=torch.int64).contiguous()
     _state_kernel[(NV, n_seq * H)](
-        k, u, y, lam, S0, S, h, idx, seq,
+        k, u, y, lam, gc, S0, S, h, idx, seq,
         L, NC, H, Hk, K, V,
         *(_strides(S0, state_layout) if S0 is not None else (0, 0, 0, 0)), *_strides(S, state_layout),
         VARLEN=varlen, HAS_DECAY=has_decay, DECAY_PER_KEY=per_key, HAS_ERASE=has_erase,
