@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from ..problem import Problem
 
-PREFIX = "chunked Triton prefill not implemented"
-
 
 def chunked_supported(p: Problem) -> str | None:
     """None if the chunked Triton prefill can run `p`, else the reason it cannot."""
