@@ -13,13 +13,15 @@ Sections, in order, each guarded (an exception is printed and the next section r
 1. environment: GPU, torch / triton / fla versions;
 2. HBM copy bandwidth: a large device-to-device copy timed with do_bench (bytes read + written);
 3. correctness: small random cases (every rule, g / gk / g+gk, beta / erase+write, GVA, GQA,
-   varlen with an empty sequence, slab with padding, fp32 / bf16) through
+   varlen with an empty sequence, slab with padding, fp32 / bf16; the chunked kernels past 64
+   tokens with per-key decay, erase / write and strong decay, also at K = V = 128) through
    `linear_attention(..., backend="triton")` with NaN-poisoned fresh memory
    (`torch.use_deterministic_algorithms` + `fill_uninitialized_memory`), relative error against
    the float64 reference (bounds: fp32 5e-5, bf16 1e-2); "declined: <reason>" where the
    backend raises `deltarule.Unsupported`;
 4. prefill timings (Qwen3-Next value heads 32 / 64, K = V = 128, T = 8192 / 32768 and varlen
-   8 x 4096) and the KDA / GDN-2 family beside scalar GDN;
+   8 x 4096) and the KDA / GDN-2 family beside scalar GDN, each beside fla's chunk_gated_delta_rule /
+   chunk_kda / chunk_gdn2;
 5. decode timings (batch 1, 64, 256, 1024);
 6. targets, PASS / MISS.
 
@@ -98,12 +100,36 @@ CORRECTNESS = [
     ("l2norm-B2-T65-H4-K32", ("float32",)),
     ("qwen-B1-T65-Hq2-Hv4-K32-l2norm-rawgate-sigmoid", ("float32",)),
     ("sigmoid-B2-T65-H4-K32-erase-write", ("float32",)),
+    # the chunked kernels past 64 tokens: per-key decay, erase / write, strong decay, real tile sizes
+    ("gdn2-B2-T65-H4-K32-g-erase-write", ("float32",)),
+    ("rawgate-B2-T65-H4-K32-gk", ("float32",)),
+    ("mqa-B2-T65-Hq4-Hv1-K32-gk", ("float32",)),
+    ("varlen-T80-gqa-vk", ("float32",)),
+    ("realistic-B1-T256-H2-K128-V128", ("float32", "bfloat16")),
+    ("strong-B1-T8192-H2-K32-gk", ("float32",)),
+    ("strong-B1-T1024-H2-K32-gdn2", ("float32",)),
+    ("kda-B1-T300-Hq2-Hv4-K128-V128-gk", ("float32", "bfloat16")),
+    ("gdn2-B1-T300-H2-K128-V128-slab-vk", ("float32", "bfloat16")),
+    ("gdn2-B1-T200-H4-K128-V128-varlen-g+gk", ("float32",)),
 ]
 QUICK_CORRECTNESS = {
     "linear-B2-T65-H4-K32", "gdn-B2-T65-H4-K32-g-beta", "gdn-B3-T1-H4-K32-decode-state",
     "kda-B2-T65-Hq4-Hv8-K100-gk", "rgdr-B2-T5-H4-K32-g+gk", "gdn2-B2-T65-H4-K32-gk-erase-write",
     "gqa2-B2-T65-Hq8-Hv4-K32", "varlen-T90-empty", "slab-B3-T20-indices",
+    "strong-B1-T1024-H2-K32-gdn2", "kda-B1-T300-Hq2-Hv4-K128-V128-gk", "gdn2-B1-T300-H2-K128-V128-slab-vk",
 }
+# cases beside test.json's, at the tile sizes of the real models (K = V = 128: one [64, 128]
+# per-key tile per chunk), through the slab in place and a vk layout
+EXTRA_CASES = [
+    {"name": "kda-B1-T300-Hq2-Hv4-K128-V128-gk", "seed": 31, "B": 1, "T": 300, "Hq": 2, "Hk": 2, "Hv": 4,
+     "K": 128, "V": 128, "rule": "gated_delta", "decay": "gk", "initial_state": True},
+    {"name": "gdn2-B1-T300-H2-K128-V128-slab-vk", "seed": 32, "B": 2, "T": 300, "Hq": 2, "Hk": 2, "Hv": 2,
+     "K": 128, "V": 128, "rule": "gated_delta", "decay": "gk", "update": "erase_write", "initial_state": True,
+     "state_indices": [3, -1], "num_slots": 4, "state_layout": "vk"},
+    {"name": "gdn2-B1-T200-H4-K128-V128-varlen-g+gk", "seed": 33, "B": 1, "T": 200, "Hq": 4, "Hk": 4, "Hv": 4,
+     "K": 128, "V": 128, "rule": "gated_delta", "decay": "g+gk", "update": "erase_write", "initial_state": True,
+     "cu_seqlens": [0, 0, 130, 200], "decay_range": [-3.0, -0.01]},
+]
 
 
 # ---------------------------------------------------------------------------
@@ -154,8 +180,8 @@ class Config:
             self.decode = [(hk, hv, n) for hk, hv in qwen for n in batches]
             self.decode_heavy = 256
         self.correctness = [c for c in CORRECTNESS if not self.quick or c[0] in QUICK_CORRECTNESS]
-        if self.dry:
-            self.correctness = [c for c in CORRECTNESS if c[0] in QUICK_CORRECTNESS]
+        if self.dry:                   # the K = 128 cases are slow on a CPU
+            self.correctness = [c for c in CORRECTNESS if c[0] in QUICK_CORRECTNESS and "K128" not in c[0]]
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -283,7 +309,7 @@ def section_copy(cfg, rep):
     bw = 2 * n / t / 1e9
     rep.print(f"copy of {n / 2**30:.3f} GiB: {t * 1e3:.3f} ms median, {bw:.0f} GB/s (read + write)")
     rep.data["hbm_copy_GBps"] = bw
-    del src, dst
+    src = dst = None            # frees the 2 x 2 GiB (a del would confuse linters about the lambda)
     free_memory(cfg)
 
 
@@ -309,7 +335,7 @@ def nan_poison():
 
 
 def section_correctness(cfg, rep):
-    by_name = {c["name"]: c for c in _cases.test_cases()}
+    by_name = {c["name"]: c for c in _cases.test_cases() + EXTRA_CASES}
     label, backend = cfg.primary
     rows, records, failed, declined = [], [], 0, 0
     import warnings

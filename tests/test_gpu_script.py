@@ -43,3 +43,23 @@ def test_gpu_script_dry_run(tmp_path):
     assert data["hbm_copy_GBps"] > 0
     assert data["targets"]
     assert (tmp_path / "gpu.md").read_text().startswith("```")
+
+
+def test_gpu_script_cases_resolve():
+    """Every correctness case the GPU run names exists (test.json or the script's extra cases) and
+    makes valid inputs: a missing name would only print a row, never fail on the device."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import gpu
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    import deltarule
+    from deltarule import cases
+
+    by_name = {c["name"]: c for c in cases.test_cases() + gpu.EXTRA_CASES}
+    names = [name for name, _ in gpu.CORRECTNESS]
+    assert len(set(names)) == len(names)
+    assert set(names) <= set(by_name) and gpu.QUICK_CORRECTNESS <= set(names)
+    for extra in gpu.EXTRA_CASES:
+        assert extra["name"] in names
+        deltarule.validate(**cases.make_inputs(extra))

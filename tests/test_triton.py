@@ -118,6 +118,31 @@ def test_slab_vk_layout_decode():
     assert torch.equal(args["initial_state"][0], before[0]) and torch.equal(args["initial_state"][3], before[3])
 
 
+def test_slab_updated_where_it_lies(monkeypatch):
+    """The fused kernel reads and writes the slab rows itself: no gathered copy, no scatter
+    (index_select / index_copy_ on the slab would be the gather / scatter path)."""
+    from deltarule.kernels import triton_recurrent
+
+    case = small(B=3, T=2, initial_state=True, state_indices=[2, -1, 0], num_slots=4, decay="gk",
+                 update="erase_write", state_layout="vk")
+    args = cases.make_inputs(case, "float32", DEVICE)
+    slab = args["initial_state"]
+    seen = []
+    kernel = triton_recurrent.recurrent
+
+    def spy(*a, **kw):
+        seen.append((a[6], kw.get("state_indices"), kw.get("spans")))
+        return kernel(*a, **kw)
+
+    monkeypatch.setattr(triton_recurrent, "recurrent", spy)
+    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda *a, **kw: pytest.fail("slab scattered"))
+    o, _ = check(args, TOL["float32"])
+    (S0, idx, spans), = seen
+    # the padding sequence is not launched at all; the others are spans of the flat token axis
+    assert S0 is slab and idx.tolist() == [2, 0] and spans == [(0, 2), (4, 2)]
+    assert torch.count_nonzero(o[1]) == 0
+
+
 def test_initial_state_untouched():
     args = cases.make_inputs(small(initial_state=True), "float32", DEVICE)
     before = args["initial_state"].clone()
@@ -137,14 +162,31 @@ def test_writes_every_output_element(nan_poison, case):
     check(cases.make_inputs(case, "float32", DEVICE), TOL["float32"])
 
 
-def test_longer_prefill_declined():
-    args = cases.make_inputs(small(B=1, T=65, decay="gk"), "float32", DEVICE)
-    p = deltarule.validate(**args)
-    reason = triton_backend.supports(p)
-    assert reason is not None and "chunked Triton prefill not implemented yet" in reason
-    if "triton" in deltarule.backends.names():
-        with pytest.raises(deltarule.Unsupported, match="chunked Triton prefill not implemented yet"):
-            deltarule.linear_attention(**args, backend="triton")
+@pytest.mark.parametrize("over", [dict(decay="gk"), dict(decay="g+gk", update="erase_write", state_layout="vk")])
+def test_longer_prefill_runs_chunked(monkeypatch, over):
+    """Past RECURRENT_MAX_LEN tokens every gate form is accepted and runs the chunked kernels."""
+    from deltarule.kernels import triton_chunked
+
+    calls = []
+    kernel = triton_chunked.chunked
+    monkeypatch.setattr(triton_chunked, "chunked", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    check(cases.make_inputs(small(B=1, T=65, initial_state=True, **over), "float32", DEVICE), 5e-5)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("cu,spans", [
+    ([0, 3, 140, 141], [(0, 3), (3, 137), (140, 1)]),       # unequal: unpacked, no padding to 137
+    ([0, 100, 90, 141], None),                               # a decreasing entry: overlapping spans, packed
+])
+def test_varlen_unpacked_unless_spans_overlap(monkeypatch, cu, spans):
+    from deltarule.kernels import triton_chunked
+
+    seen = []
+    kernel = triton_chunked.chunked
+    monkeypatch.setattr(triton_chunked, "chunked", lambda *a, **kw: seen.append(kw["spans"]) or kernel(*a, **kw))
+    check(cases.make_inputs(small(B=1, T=141, cu_seqlens=cu, decay="gk", initial_state=True), "float32", DEVICE),
+          5e-5)
+    assert seen == [spans]
 
 
 def test_varlen_with_short_spans_accepted():

@@ -1,12 +1,13 @@
-"""The triton backend's chunked prefill (scalar gates) against the float64 reference.
+"""The triton backend's chunked prefill (every gate form) against the float64 reference.
 
 The kernels are called directly on the operands the backend prepares
-(`_prepare.pack` / `operands` / `finish`), so these tests do not depend on how
-the backend routes a call. Without a CUDA device they run on CPU tensors under
-the Triton interpreter (conftest.py sets TRITON_INTERPRET=1 before anything
-imports triton); if triton was imported without it, the module is skipped with
-the reason. Shapes stay tiny: the interpreter runs one numpy op per Triton op
-per program.
+(`_prepare.pack` / `operands` / `finish`), reading the initial state where it
+lies as the backend does (any layout; a slab updated in place), so these tests
+do not depend on how the backend routes a call. Without a CUDA device they run
+on CPU tensors under the Triton interpreter (conftest.py sets TRITON_INTERPRET=1
+before anything imports triton); if triton was imported without it, the module
+is skipped with the reason. Shapes stay tiny: the interpreter runs one numpy op
+per Triton op per program.
 """
 
 import pytest
@@ -16,11 +17,13 @@ from conftest import err, require_triton
 require_triton()
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import deltarule  # noqa: E402
 from deltarule import cases  # noqa: E402
-from deltarule.backends import _prepare  # noqa: E402
-from deltarule.backends.triton_chunked_support import PREFIX, chunked_supported  # noqa: E402
+from deltarule.backends import _prepare, triton_backend  # noqa: E402
+from deltarule.backends.triton_chunked_support import chunked_supported  # noqa: E402
 from deltarule.check import expected  # noqa: E402
 from deltarule.kernels import triton_chunked  # noqa: E402
 
@@ -31,24 +34,46 @@ pytestmark = pytest.mark.triton
 TOL = {"float32": 5e-5, "float16": 1e-2, "bfloat16": 1e-2}
 
 
+def run_chunked(args: dict, mode: str = "backend"):
+    """The chunked kernels on `args`, through the backend's operand preparation.
 
-def run_chunked(args: dict, in_place: bool = False):
-    """The chunked kernels on `args`, through the backend's operand preparation."""
+    "backend": as the backend calls them: varlen / ragged / padded batches unpacked (spans of
+    the flat token axis) when disjoint, the initial state read where it lies (any layout; a
+    slab updated in place at `state_indices`). "packed": sequences packed into [N, L] by
+    `_prepare.pack` (the path for overlapping spans), state where it lies. "gathered": packed,
+    from a gathered K-major copy S0 that the kernels update in place (S = S0).
+    """
     p = deltarule.validate(**args)
     assert chunked_supported(p) is None
-    pk = _prepare.pack(p)
-    x = _prepare.operands(p, pk)
-    owned = p.initial_state is None or \
-        x.S0.untyped_storage().data_ptr() != p.initial_state.untyped_storage().data_ptr()
-    S = x.S0 if (in_place and owned) else None
-    o, S = triton_chunked.chunked(x.q, x.k, x.v, x.lam, x.b, x.w, x.S0, p.scale, S=S)
+    identity = not p.varlen and all(s.slot >= 0 for s in p.spans)
+    flat = None if identity or mode != "backend" else triton_backend.flat_spans(p)
+    pk = _prepare.Packing(L=p.T, identity=True) if flat is not None else _prepare.pack(p)
+    if mode == "gathered":
+        x = _prepare.operands(p, pk)
+        owned = p.initial_state is None or \
+            x.S0.untyped_storage().data_ptr() != p.initial_state.untyped_storage().data_ptr()
+        o, S = triton_chunked.chunked(x.q, x.k, x.v, x.lam, x.b, x.w, x.S0, p.scale,
+                                      S=x.S0 if owned else None)
+        assert o.dtype == torch.float32 and S.dtype == torch.float32
+        return _prepare.finish(p, pk, o, S)
+    x = _prepare.operands(p, pk, gather_states=False)
+    seqs = flat if flat is not None else [(None, None, s.slot) for s in p.spans]
+    idx = None
+    if p.in_place:
+        idx = torch.tensor([slot for _, _, slot in seqs], dtype=torch.int64, device=p.device)
+    o, S = triton_chunked.chunked(x.q, x.k, x.v, x.lam, x.b, x.w, p.initial_state, p.scale,
+                                  state_indices=idx, state_layout=p.state_layout,
+                                  spans=None if flat is None else [(a, n) for a, n, _ in flat])
     assert o.dtype == torch.float32 and S.dtype == torch.float32
-    return _prepare.finish(p, pk, o, S)
+    if p.in_place:
+        assert S is p.initial_state
+        return _prepare.finish(p, pk, o, None)
+    return _prepare.finish(p, pk, o, S if p.state_layout == "kv" else S.transpose(-1, -2))
 
 
-def check(args: dict, tol: float, in_place: bool = False):
+def check(args: dict, tol: float, mode: str = "backend"):
     ref_o, ref_state = expected(args)         # before the call: a slab is updated in place
-    o, state = run_chunked(args, in_place)
+    o, state = run_chunked(args, mode)
     assert o.dtype == args["v"].dtype and state.dtype == torch.float32
     assert torch.isfinite(o).all() and torch.isfinite(state).all()
     e_o, e_s = err(o, ref_o), err(state, ref_state)
@@ -63,21 +88,46 @@ def small(**over) -> dict:
     return case
 
 
-def _scalar(case: dict) -> bool:
-    return chunked_supported(deltarule.validate(**cases.make_inputs(case))) is None
+def case_id(case: dict) -> str:
+    """Readable ids like `B2-T65-Hq4-Hv8-K36-gk-beta`."""
+    parts = [f"B{case['B']}", f"T{case['T']}"]
+    if case["Hq"] == case["Hk"] == case["Hv"]:
+        parts.append(f"H{case['Hv']}")
+    else:
+        parts += [f"Hq{case['Hq']}"] + ([f"Hk{case['Hk']}"] if case["Hk"] != case["Hq"] else []) \
+            + [f"Hv{case['Hv']}"]
+    parts.append(f"K{case['K']}" + (f"-V{case['V']}" if case["V"] != case["K"] else ""))
+    if case.get("rule", "gated_delta") != "gated_delta":
+        parts.append(case["rule"])
+    for key in ("decay", "update"):
+        if case.get(key) is not None:
+            parts.append(case[key])
+    if case.get("decay_range") is not None:
+        parts.append("decay{:g}..{:g}".format(*case["decay_range"]))
+    for key in ("cu_seqlens", "seq_lens", "state_indices"):
+        if case.get(key) is not None:
+            parts.append(key + "=" + ",".join(map(str, case[key])))
+    if case.get("initial_state"):
+        parts.append("state-" + case.get("state_layout", "kv"))
+    return "-".join(parts)
 
 
+def params(*case_list):
+    return [pytest.param(c, id=case_id(c)) for c in case_list]
+
+
+# float32 only: the half-precision inputs are covered by the tests below (and by
+# `deltarule check --backend triton`), and the interpreter's time is the budget here
 JSON_CASES = [
-    pytest.param(case, dtype, id=f"{case['name']}-{dtype}")
-    for case in cases.test_cases() if case["T"] <= 2048 and _scalar(case)
-    for dtype in case["dtypes"]
+    pytest.param(case, id=case["name"]) for case in cases.test_cases() if case["T"] <= 2048
 ]
 
 
-@pytest.mark.parametrize("case,dtype", JSON_CASES)
-def test_test_json_case(case, dtype):
-    """Every scalar-gate case of test.json (varlen, ragged, slab, raw gate, sigmoid, l2norm, ...)."""
-    check(cases.make_inputs(case, dtype, DEVICE), TOL[dtype])
+@pytest.mark.parametrize("case", JSON_CASES)
+def test_test_json_case(case):
+    """Every case of test.json up to 2048 tokens (every gate form, varlen, ragged, slab, raw gate,
+    sigmoid, l2norm, vk layout, ...), in float32, through the chunked kernels even where short."""
+    check(cases.make_inputs(case, "float32", DEVICE), TOL["float32"])
 
 
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 130])
@@ -124,50 +174,165 @@ def test_varlen_with_empty_sequence():
 
 
 def test_in_place_state_buffer():
-    """S = S0 (a gathered, owned state) updates the states in place with the same result."""
-    case = small(B=2, T=70, initial_state=True, state_indices=[2, 0], num_slots=3)
-    check(cases.make_inputs(case, "float32", DEVICE), TOL["float32"], in_place=True)
-    args = cases.make_inputs(small(B=2, T=70, initial_state=True), "float32", DEVICE)
-    before = args["initial_state"].clone()
-    _, state = check(args, TOL["float32"], in_place=True)       # the caller's state is never written
-    assert torch.equal(args["initial_state"], before) and state.data_ptr() != args["initial_state"].data_ptr()
+    """S = S0 (a gathered, owned state) updates the states in place with the same result; the
+    caller's own state (either layout) is read where it lies and never written."""
+    case = small(B=2, T=70, initial_state=True, state_indices=[2, 0], num_slots=3, decay="gk")
+    check(cases.make_inputs(case, "float32", DEVICE), TOL["float32"], mode="gathered")
+    for layout in ("kv", "vk"):
+        args = cases.make_inputs(small(B=2, T=70, initial_state=True, state_layout=layout), "float32", DEVICE)
+        before = args["initial_state"].clone()
+        _, state = check(args, TOL["float32"])
+        assert torch.equal(args["initial_state"], before) and state.data_ptr() != args["initial_state"].data_ptr()
 
 
-@pytest.mark.parametrize("case", [
+@pytest.mark.parametrize("case", params(
+    small(decay="gk", K=36, V=20, initial_state=True),                       # KDA
+    small(decay="g+gk", K=36, V=20, initial_state=True),                     # scalar and per-key together
+    small(rule="gated", decay="gk", K=36, V=20, initial_state=True),         # per key, no retrieval
+    small(decay="gk", update="erase_write", K=36, V=20, initial_state=True),  # GDN-2
+    small(decay="g", update="erase_write", K=36, V=20, initial_state=True),
+    small(decay="g+gk", update="erase_write", T=129, K=36, V=20, initial_state=True),
+    small(rule="delta", update="erase_write", K=36, V=20, initial_state=True),
+    small(decay="gk", T=64, K=16, V=16),                                     # one exact chunk
+    small(decay="gk", T=100, K=64, V=64, initial_state=True),
+    small(decay="gk", update="erase_write", T=80, K=8, V=72, initial_state=True),  # K padded, V two tiles
+))
+def test_per_channel_gates(case):
+    """Per-key decay (alone, with scalar g, without retrieval) and GDN-2 erase / write gates."""
+    check(cases.make_inputs(case, "float32", DEVICE), TOL["float32"])
+
+
+@pytest.mark.parametrize("case,dtype", [
+    pytest.param(c, d, id=f"{case_id(c)}-{d}") for c, d in [
+        (small(B=2, T=65, Hq=4, Hk=4, Hv=8, K=36, V=20, decay="gk"), "float32"),                 # GVA
+        (small(B=2, T=65, Hq=2, Hk=2, Hv=8, K=36, V=20, decay="gk", update="erase_write",
+               initial_state=True), "bfloat16"),
+        (small(B=1, T=129, Hq=8, Hk=2, Hv=2, K=36, V=20, decay="gk", initial_state=True), "float32"),  # GQA
+        (small(B=1, T=65, Hq=4, Hk=1, Hv=1, K=32, V=16, decay="g+gk", update="erase_write"), "float16"),
+    ]])
+def test_head_grouping_per_key(case, dtype):
+    check(cases.make_inputs(case, dtype, DEVICE), TOL[dtype])
+
+
+@pytest.mark.parametrize("case", params(
+    small(T=130, K=36, V=20, decay="gk", decay_range=[-6.0, -4.0], initial_state=True),
+    small(T=130, K=36, V=20, decay="gk", update="erase_write", decay_range=[-8.0, -2.0], initial_state=True),
+    small(T=129, K=20, V=20, decay="g+gk", decay_range=[-4.0, -3.0], initial_state=True),
+))
+def test_strong_per_key_decay_stays_finite(case):
+    """Log decays of -2..-8 per token and key: -130..-510 accumulated per chunk, so a factored
+    exp(-G) overflows float32 and exp(G_r - G_n) with a reference past r would too; the
+    sub-chunk reference points keep every exponent <= 0."""
+    check(cases.make_inputs(case, "float32", DEVICE), TOL["float32"])
+
+
+@pytest.mark.parametrize("case", params(
+    small(T=145, cu_seqlens=[0, 70, 70, 145], initial_state=True, Hq=2, Hk=2, Hv=2, decay="gk",
+          update="erase_write", K=36, V=20),
+    small(T=150, cu_seqlens=[0, 0, 80, 80, 150], initial_state=True, Hq=2, Hk=2, Hv=4, decay="g+gk",
+          state_layout="vk", K=20, V=36),
+))
+@pytest.mark.parametrize("mode", ["backend", "packed"])
+def test_varlen_per_key_with_empty_requests(case, mode):
+    """Varlen with empty requests (first and middle), unpacked (spans of the token axis, chunk
+    indices) and packed: the empty ones pass their state through."""
+    args = cases.make_inputs(case, "float32", DEVICE)
+    _, state = check(args, TOL["float32"], mode)
+    lengths = [b - a for a, b in zip(case["cu_seqlens"], case["cu_seqlens"][1:])]
+    for n, length in enumerate(lengths):
+        if length == 0:
+            assert torch.equal(state[n], args["initial_state"][n])
+
+
+@pytest.mark.parametrize("case", params(
+    small(T=141, cu_seqlens=[0, 3, 140, 141], Hq=2, Hk=2, Hv=2, K=36, V=20, decay="gk",
+          update="erase_write", initial_state=True),
+    small(B=3, T=130, seq_lens=[130, 0, 5], K=20, V=36, decay="g+gk", initial_state=True,
+          state_indices=[1, -1, 3], num_slots=4, state_layout="vk"),
+    small(T=150, cu_seqlens=[4, 70, 75, 140], K=16, V=16, decay="g"),                 # uncovered tokens
+))
+def test_unpacked_spans_write_only_their_tokens(nan_poison, case):
+    """Unequal spans run unpacked (chunk indices over the flat token axis); tokens outside every
+    span, padding sequences and empty rows read as zeros, the rest as the reference."""
+    p = deltarule.validate(**cases.make_inputs(case, "float32", DEVICE))
+    assert triton_backend.flat_spans(p) is not None
+    check(cases.make_inputs(case, "float32", DEVICE), TOL["float32"])
+
+
+def test_spans_tensors():
+    """Chunk indices computed once: (sequence, chunk) per chunk, and each sequence's first chunk."""
+    seq, chunks, total = triton_chunked.spans_tensors([(0, 3), (3, 0), (3, 130), (133, 64)], 64, "cpu")
+    assert total == 5
+    assert seq.tolist() == [[0, 3, 0], [3, 0, 1], [3, 130, 1], [133, 64, 4]]
+    assert chunks.tolist() == [[0, 0], [2, 0], [2, 1], [2, 2], [3, 0]]
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_slab_in_place_with_padding(layout):
+    """The slab is read and written where it lies (rows state_indices[n], either layout); the
+    padding row's output is zero and no other row is touched."""
+    case = small(B=3, T=70, K=36, V=20, initial_state=True, state_indices=[3, -1, 0], num_slots=5,
+                 decay="gk", update="erase_write", state_layout=layout)
+    args = cases.make_inputs(case, "float32", DEVICE)
+    slab = args["initial_state"]
+    before = slab.clone()
+    o, state = check(args, TOL["float32"])
+    assert state is slab
+    for row in (1, 2, 4):
+        assert torch.equal(slab[row], before[row])
+    assert not torch.equal(slab[3], before[3]) and not torch.equal(slab[0], before[0])
+    assert torch.count_nonzero(o[1]) == 0
+
+
+@pytest.mark.parametrize("case", params(
     small(T=70, K=100, V=60, initial_state=True),
     small(T=66, K=20, V=72, rule="linear"),
     small(T=145, cu_seqlens=[0, 70, 70, 145], initial_state=True),
     small(B=2, T=70, Hq=4, Hk=2, Hv=2, seq_lens=[70, 3]),
     small(B=2, T=70, initial_state=True, state_indices=[-1, 2], num_slots=3),
-], ids=["odd-sizes", "linear-two-value-tiles", "varlen-empty", "gqa-seq_lens", "slab-padding"])
+    small(B=2, T=65, Hq=2, Hk=2, Hv=4, K=36, V=20, decay="gk", update="erase_write", initial_state=True),
+    small(T=129, Hq=4, Hk=2, Hv=2, K=36, V=72, decay="g+gk", cu_seqlens=[0, 65, 65, 129],
+          initial_state=True, state_layout="vk"),
+))
 def test_writes_every_output_element(nan_poison, case):
     """With uninitialised memory poisoned to NaN, outputs and states stay finite and correct."""
     check(cases.make_inputs(case, "float32", DEVICE), TOL["float32"])
 
 
-@pytest.mark.parametrize("over,what", [
-    (dict(decay="gk"), "per-key decay gk"),
-    (dict(decay="g+gk"), "per-key decay gk (with g)"),
-    (dict(update="erase_write"), "channel-wise erase / write"),
-    (dict(rule="delta", update="erase_write"), "channel-wise erase / write"),
-    (dict(rule="gated", decay="gk"), "per-key decay gk"),
-    (dict(raw_gate=True, decay="gk"), "per-key decay gk"),
-])
-def test_per_channel_gates_declined(over, what):
-    p = deltarule.validate(**cases.make_inputs(small(**over), "float32", DEVICE))
-    reason = chunked_supported(p)
-    assert reason is not None and reason.startswith(PREFIX) and what in reason
-
-
 @pytest.mark.parametrize("over", [dict(rule="linear"), dict(rule="gated"), dict(rule="delta"),
-                                  dict(rule="gated_delta"), dict(raw_gate=True, beta_sigmoid=True)])
-def test_scalar_gates_accepted(over):
+                                  dict(rule="gated_delta"), dict(raw_gate=True, beta_sigmoid=True),
+                                  dict(decay="gk"), dict(decay="g+gk"), dict(update="erase_write"),
+                                  dict(rule="delta", update="erase_write"), dict(rule="gated", decay="gk"),
+                                  dict(raw_gate=True, decay="gk", update="erase_write")])
+def test_every_gate_form_accepted(over):
     assert chunked_supported(deltarule.validate(**cases.make_inputs(small(**over), "float32", DEVICE))) is None
 
 
-def test_kernel_refuses_per_channel_operands():
-    args = cases.make_inputs(small(decay="gk"), "float32", DEVICE)
+def test_kernel_refuses_mismatched_gates():
+    """A scalar erase gate with a per-value write gate is not an operand form `_prepare` makes."""
+    args = cases.make_inputs(small(update="erase_write"), "float32", DEVICE)
     p = deltarule.validate(**args)
     x = _prepare.operands(p, _prepare.pack(p))
-    with pytest.raises(ValueError, match="scalar"):
-        triton_chunked.chunked(x.q, x.k, x.v, x.lam, x.b, x.w, x.S0, p.scale)
+    with pytest.raises(ValueError, match="erase"):
+        triton_chunked.chunked(x.q, x.k, x.v, x.lam, x.b[..., 0], x.w, x.S0, p.scale)
+
+
+@triton.jit
+def _inverse_kernel(a, t, BT: tl.constexpr, BC: tl.constexpr, LEVELS: tl.constexpr):
+    o = tl.arange(0, BT)
+    p = o[:, None] * BT + o[None, :]
+    tl.store(t + p, triton_chunked._unit_lower_inverse(tl.load(a + p), BT=BT, BC=BC, LEVELS=LEVELS))
+
+
+@pytest.mark.parametrize("scale", [0.3, 1.0])
+def test_unit_lower_inverse(scale):
+    """(I + A)^-1 from 16 x 16 diagonal blocks and two merges equals the float64 inverse, for a
+    dense strictly lower A whose blocks all matter (every entry of T below the diagonal)."""
+    gen = torch.Generator().manual_seed(7)
+    A = (torch.rand(64, 64, generator=gen) * 2 - 1).tril(-1) * scale / 8
+    T = torch.full((64, 64), float("nan"))
+    _inverse_kernel[(1,)](A, T, BT=64, BC=16, LEVELS=2)
+    ref = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + A.double())
+    assert ref.abs()[48:, :16].min() > 0            # the merged corner blocks are non-trivial
+    assert torch.isfinite(T).all()
+    assert (T.double() - ref).norm() / ref.norm() < 1e-6

@@ -1,27 +1,47 @@
-"""Chunked (WY / UT-transform) prefill in Triton, scalar gates, see ../shared/ALGORITHM.md.
+"""Chunked (WY / UT-transform) prefill in Triton, see ../shared/ALGORITHM.md.
 
-Scalar log decay lam [N, L, H] (or none) and scalar beta (b is w, or none).
-Per chunk of BT tokens with cumulative log decay G (from the chunk start) and
-Γ_rs = exp(G_r - G_s) for r >= s:
+Every gate form: scalar or per-key log decay lam ([N, L, H] or [N, L, H, K],
+g + gk already summed by `_prepare`), or none; scalar beta (b is w, [N, L, H])
+or channel-wise erase b [N, L, H, K] and write w [N, L, H, V], or none.
+Per chunk of BT = 64 tokens with cumulative log decay G (from the chunk start,
+per key channel) and Γ_rs = exp(G_r - G_s) for r >= s:
 
-    A = strict_lower(diag(β) (K K^T) ⊙ Γ)    T = (I + A)^-1
-    Ũ = T (β V)    Y = T (β exp(G) K)        U = Ũ - Y S0
-    O = scale [(Q exp(G)) S0 + (lower(Q K^T) ⊙ Γ) U]
-    S_C = exp(G_C) S0 + (K exp(G_C - G))^T U
+    A = strict_lower(Σ_k (b ⊙ k)_r Γ_rs k_s)      M = lower(Σ_k q_r Γ_rs k_s)
+    T = (I + A)^-1    Ũ = T (w ⊙ v)    Y = T (exp(G) ⊙ b ⊙ k)    U = Ũ - Y S0
+    O = scale [(Q ⊙ exp(G)) S0 + M U]
+    S_C = diag(exp(G_C)) S0 + (K ⊙ exp(G_C - G))^T U
 
-Three kernels, float32 throughout:
+Four kernels, float32 throughout. Chunk kernels run one program per (chunk,
+state head): grid (NC, N * H) over packed [N, L] sequences, or, VARLEN, grid
+(total chunks, H) over spans of the flat token axis with the chunk indices
+(sequence, chunk) computed once on the host (`spans_tensors`), so sequences of
+very different lengths cost no padding.
 
-1. `_intra_kernel`, grid (NC, N * H), only for the delta rules: A, T by
-   forward substitution in registers, Ũ [N, L, H, V] and Y [N, L, H, K].
-2. `_state_kernel`, grid (cdiv(V, BV), N * H): keeps the [K, BV] state tile in
-   registers across the chunks, stores each chunk's entering state
-   [N, H, NC, K, V], turns Ũ into U in place, stores the final state.
-   Without retrieval U is v itself (T = I, w absent).
-3. `_output_kernel`, grid (NC, cdiv(V, BV), N * H): O for the G query rows of
-   the state head.
+0. `_cumsum_kernel`, per-key decay only: G per chunk into a float32 scratch
+   gc [tokens, H, K] (so other rows' G can be loaded).
+1. `_intra_kernel`, only for the delta rules: A (scalar decay: one product
+   masked by the C x C decay matrix; per key: `_pairwise_per_key`), T by
+   `_unit_lower_inverse` (16 x 16 diagonal blocks, then block merges),
+   Ũ [tokens, H, V] and Y [tokens, H, K].
+2. `_state_kernel`, grid (cdiv(V, BV), sequences * H): keeps the [K, BV]
+   state tile in registers across the chunks of its sequence, stores each
+   chunk's entering state h [chunks, H, K, V], turns Ũ into U in place,
+   stores the final state. It reads the initial state from, and writes the
+   final state to, row `idx[n]` (or n) of a state or slab with arbitrary
+   strides (K-major or V-major, in place or not); a negative row is a padding
+   sequence: no read, no write. Without retrieval U is v itself (T = I).
+3. `_output_kernel`, grid (chunks, cdiv(V, BV), heads): O for the G query
+   rows of the state head.
 
-Every exponent is a difference G_r - G_s with r >= s, masked before `exp`.
-Tokens past L in the last chunk are masked (loaded as zeros: identity steps).
+Numerical safety: no exponent is ever positive. With scalar decay every
+exponent is a difference G_r - G_s with r >= s, masked before `exp`. With
+per-key decay (`_pairwise_per_key`) the chunk is cut into sub-chunks of
+BC = 16 tokens: a block of rows r in sub-chunk i against columns s in an
+earlier sub-chunk j meets through the reference n = last token of j
+(s <= n < r), Γ_rs = exp(G_r - G_n) exp(G_n - G_s), both factors in [0, 1], so
+the block is one product; the diagonal 16 x 16 blocks are formed element-wise
+(one column offset of all four sub-chunks at a time). Tokens past L in the last
+chunk are masked (identity steps).
 
 Compute only: token-major operands as described in
 `deltarule.backends._prepare`; q, k, v in their input dtype (widened to float32
@@ -36,94 +56,232 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_recurrent import _strides, new_state
+
 CHUNK = 64
+SUB = 16
+
+
+@triton.jit
+def _chunk_coords(i_c, i_x, seq, chunks, L, NC, H, VARLEN: tl.constexpr):
+    """(sequence, head, chunk in the sequence, first token row, length, global chunk) of a
+    chunk program: program axis 0 = i_c, the other = i_x. Packed [N, L] sequences: grid
+    (NC, N * H). VARLEN: grid (total chunks, H); chunks [*, 2] = (sequence, chunk) and
+    seq [N, 3] = (first token, length, first global chunk), computed once on the host."""
+    if VARLEN:
+        i_h = i_x
+        i_n = tl.load(chunks + 2 * i_c).to(tl.int64)
+        i_cs = tl.load(chunks + 2 * i_c + 1).to(tl.int64)
+        bos = tl.load(seq + 3 * i_n).to(tl.int64)
+        n_len = tl.load(seq + 3 * i_n + 1).to(tl.int64)
+        i_cg = tl.load(seq + 3 * i_n + 2).to(tl.int64) + i_cs
+    else:
+        i_n = i_x // H
+        i_h = i_x % H
+        i_cs = i_c
+        bos = i_n * L
+        n_len = bos * 0 + L
+        i_cg = i_n * NC + i_c
+    return i_n, i_h, i_cs, bos, n_len, i_cg
+
+
+@triton.jit
+def _seq_coords(i_n, seq, L, NC, VARLEN: tl.constexpr):
+    """(first token row, length, first global chunk) of sequence i_n."""
+    if VARLEN:
+        bos = tl.load(seq + 3 * i_n).to(tl.int64)
+        n_len = tl.load(seq + 3 * i_n + 1).to(tl.int64)
+        i_cg = tl.load(seq + 3 * i_n + 2).to(tl.int64)
+    else:
+        bos = i_n * L
+        n_len = bos * 0 + L
+        i_cg = i_n * NC
+    return bos, n_len, i_cg
+
+
+@triton.jit
+def _pairwise_per_key(b_x, b_k, b_g, k, gc, bos, i_c, n_len, i_h, i_hk, H, Hk, K,
+                      STRICT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """P [BT, BT]: P_rs = Σ_k x_rk exp(G_rk - G_sk) k_sk for s < r (s <= r unless STRICT).
+
+    b_x, b_k [BT, BK] float32, zero on masked rows; b_g [BT, BK] the chunk's G
+    as stored in gc (zero on masked rows). Rows and columns are the chunk's
+    tokens. Off-diagonal sub-chunk blocks: one product per earlier sub-chunk j
+    through its last valid token n; diagonal blocks element-wise, loading the
+    column token's k and G from memory. Every exponent is <= 0.
+    """
+    o_r = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_t = i_c * BT + o_r
+    m_t = o_t < n_len
+    i_sub = o_r // BC
+    n_last = tl.minimum(n_len - i_c * BT, BT) - 1   # last valid row of the chunk
+    b_p = tl.zeros([BT, BT], dtype=tl.float32)
+    for j in tl.static_range(BT // BC - 1):
+        n = tl.minimum(j * BC + BC - 1, n_last)     # reference: last valid token of sub-chunk j
+        m_left = (i_sub > j) & m_t                  # rows after sub-chunk j (so after n)
+        m_right = (i_sub == j) & m_t                # columns in sub-chunk j (at or before n)
+        b_gn = tl.sum(tl.where((o_r == n)[:, None], b_g, 0.0), axis=0)
+        b_left = tl.where(m_left[:, None], b_g - b_gn[None, :], 0.0)
+        b_left = tl.where(m_left[:, None], b_x * tl.exp(b_left), 0.0)
+        b_right = tl.where(m_right[:, None], b_gn[None, :] - b_g, 0.0)
+        b_right = tl.where(m_right[:, None], b_k * tl.exp(b_right), 0.0)
+        b_p += tl.dot(b_left, tl.trans(b_right), input_precision="ieee")
+    # diagonal blocks: step j takes column s(r) = (first row of r's sub-chunk) + j for every row r
+    for j in range(BC):
+        o_rs = i_sub * BC + j
+        if STRICT:
+            m_d = m_t & (o_rs < o_r)
+        else:
+            m_d = m_t & (o_rs <= o_r)
+        i_ts = bos + i_c * BT + o_rs
+        m_dk = m_d[:, None] & m_k[None, :]
+        b_ks = tl.load(k + (i_ts * Hk + i_hk)[:, None] * K + o_k[None, :], mask=m_dk, other=0.0).to(tl.float32)
+        b_gs = tl.load(gc + (i_ts * H + i_h)[:, None] * K + o_k[None, :], mask=m_dk, other=0.0)
+        b_e = tl.exp(tl.where(m_dk, b_g - b_gs, 0.0))
+        b_col = tl.sum(b_x * b_e * b_ks, axis=1)
+        b_p = tl.where((o_r[None, :] == o_rs[:, None]) & m_d[:, None], b_col[:, None], b_p)
+    return b_p
+
+
+@triton.jit
+def _unit_lower_inverse(b_a, BT: tl.constexpr, BC: tl.constexpr, LEVELS: tl.constexpr):
+    """(I + A)^-1 for A [BT, BT] strictly lower (zero elsewhere).
+
+    First the BC x BC diagonal blocks, all at once by forward substitution
+    (BC - 1 steps; the blocks have disjoint column supports, so one reduction
+    serves the same row of every block), then merges that double the block
+    size: with D the inverse of the block diagonal part and A_l the lower-left
+    blocks of the next size, (I + A)^-1 restricted to it is D - D A_l D.
+    """
+    o_r = tl.arange(0, BT)
+    i_sub = o_r // BC
+    m_blk = i_sub[:, None] == i_sub[None, :]
+    b_ad = tl.where(m_blk, b_a, 0.0)
+    b_t = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
+    for i in range(1, BC):
+        m_i = (o_r % BC) == i
+        b_ai = tl.sum(tl.where(m_i[:, None], b_ad, 0.0), axis=0)          # row i of every block, over j
+        b_ti = tl.sum(b_ai[:, None] * b_t, axis=0)                        # (A T)_ic, c in that row's block
+        b_t = tl.where(m_i[:, None] & m_blk, b_t - b_ti[None, :], b_t)
+    for lvl in tl.static_range(LEVELS):        # blocks of s = BC << lvl merge into 2s
+        m_l = ((o_r[:, None] // (BC << (lvl + 1))) == (o_r[None, :] // (BC << (lvl + 1)))) \
+            & ((o_r[:, None] // (BC << lvl)) % 2 == 1) & ((o_r[None, :] // (BC << lvl)) % 2 == 0)
+        b_al = tl.where(m_l, b_a, 0.0)
+        b_t -= tl.dot(tl.dot(b_t, b_al, input_precision="ieee"), b_t, input_precision="ieee")
+    return b_t
+
+
+@triton.jit
+def _cumsum_kernel(lam, gc, seq, chunks, L, NC, H, K,
+                   VARLEN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """gc [tokens, H, K]: per-key log decay summed from each chunk's start."""
+    i_n, i_h, i_c, bos, n_len, i_cg = _chunk_coords(
+        tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), seq, chunks, L, NC, H, VARLEN)
+    o_t = i_c * BT + tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_tk = (o_t < n_len)[:, None] & (o_k < K)[None, :]
+    o_th = (bos + o_t) * H + i_h
+    p = o_th[:, None] * K + o_k[None, :]
+    b_l = tl.load(lam + p, mask=m_tk, other=0.0).to(tl.float32)
+    tl.store(gc + p, tl.cumsum(b_l, axis=0), mask=m_tk)
 
 
 @triton.jit
 def _intra_kernel(
-    k, v, lam, b, u, y,
-    L, H, Hk, K, V,
-    HAS_DECAY: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    k, v, lam, gc, b, w, u, y, seq, chunks,
+    L, NC, H, Hk, K, V,
+    VARLEN: tl.constexpr, HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr,
+    ERASE_PER_KEY: tl.constexpr, WRITE_PER_VALUE: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, LEVELS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     """State-free part of chunk i_c of state head h of sequence n (delta rules).
 
-    k [N, L, Hk, K], v [N, L, H, V], lam [N, L, H], b [N, L, H] (beta, also
-    the write gate); writes u [N, L, H, V] = T (β v) and
-    y [N, L, H, K] = T (β exp(G) k), float32.
+    k [N, L, Hk, K], v [N, L, H, V], lam [N, L, H] (scalar decay), gc
+    [N, L, H, K] (per key: G), b [N, L, H] or [N, L, H, K], w [N, L, H] or
+    [N, L, H, V]; writes u [N, L, H, V] = T (w v) and
+    y [N, L, H, K] = T (exp(G) b k), float32 (VARLEN: the token axis is the
+    flat [B * T] one and sequences are spans of it).
     """
-    i_c = tl.program_id(0).to(tl.int64)
-    i_nh = tl.program_id(1).to(tl.int64)
-    i_n = i_nh // H
-    i_h = i_nh % H
+    i_n, i_h, i_c, bos, n_len, i_cg = _chunk_coords(
+        tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), seq, chunks, L, NC, H, VARLEN)
     i_hk = i_h // (H // Hk)
 
     o_r = tl.arange(0, BT)
     o_t = i_c * BT + o_r
-    m_t = o_t < L
+    m_t = o_t < n_len
     o_k = tl.arange(0, BK)
     m_k = o_k < K
-    i_t = i_n * L + o_t                          # token rows in the [N * L] token axis
+    m_tk = m_t[:, None] & m_k[None, :]
+    i_t = bos + o_t                              # token rows in the [N * L] (VARLEN: [B * T]) token axis
     o_th = i_t * H + i_h                         # (token, state head) rows of v, u, y and the gates
 
-    p_k = k + (i_t * Hk + i_hk)[:, None] * K + o_k[None, :]
-    b_k = tl.load(p_k, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_beta = tl.load(b + o_th, mask=m_t, other=0.0).to(tl.float32)
-    b_g = tl.zeros([BT], dtype=tl.float32)
-    if HAS_DECAY:
-        b_g = tl.cumsum(tl.load(lam + o_th, mask=m_t, other=0.0).to(tl.float32), axis=0)
+    b_k = tl.load(k + (i_t * Hk + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    if ERASE_PER_KEY:
+        b_kb = b_k * tl.load(b + o_th[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    else:
+        b_kb = b_k * tl.load(b + o_th, mask=m_t, other=0.0).to(tl.float32)[:, None]
 
-    # A = diag(β) (K K^T) ⊙ Γ, strictly lower; the exponent is masked before exp
     m_a = o_r[:, None] > o_r[None, :]
-    b_a = tl.dot(b_k, tl.trans(b_k), input_precision="ieee")
-    b_a = b_a * b_beta[:, None]
-    if HAS_DECAY:
-        b_a = b_a * tl.exp(tl.where(m_a, b_g[:, None] - b_g[None, :], 0.0))
-    b_a = tl.where(m_a, b_a, 0.0)
+    if DECAY_PER_KEY:
+        b_g = tl.load(gc + o_th[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_a = _pairwise_per_key(b_kb, b_k, b_g, k, gc, bos, i_c, n_len, i_h, i_hk, H, Hk, K,
+                                STRICT=True, BT=BT, BC=BC, BK=BK)
+        b_kbe = b_kb * tl.exp(b_g)
+    else:
+        # A = (b k) K^T ⊙ Γ, strictly lower; the exponent is masked before exp
+        b_a = tl.dot(b_kb, tl.trans(b_k), input_precision="ieee")
+        b_kbe = b_kb
+        if HAS_DECAY:
+            b_g = tl.cumsum(tl.load(lam + o_th, mask=m_t, other=0.0).to(tl.float32), axis=0)
+            b_a = b_a * tl.exp(tl.where(m_a, b_g[:, None] - b_g[None, :], 0.0))
+            b_kbe = b_kb * tl.exp(b_g)[:, None]
+        b_a = tl.where(m_a, b_a, 0.0)
 
-    # T = (I + A)^-1 by forward substitution: T_i = e_i - sum_{j<i} A_ij T_j
-    b_T = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
-    for i in range(1, BT):
-        m_i = o_r == i
-        b_ai = tl.sum(tl.where(m_i[:, None], b_a, 0.0), axis=0)          # row i of A, over j
-        b_ti = tl.sum(b_ai[:, None] * b_T, axis=0)                        # sum_j A_ij T_j
-        b_T = tl.where(m_i[:, None], b_T - b_ti[None, :], b_T)
+    b_T = _unit_lower_inverse(b_a, BT=BT, BC=BC, LEVELS=LEVELS)
 
-    # Y = T (β exp(G) k)
-    b_kb = b_k * (b_beta * tl.exp(b_g))[:, None]
-    b_y = tl.dot(b_T, b_kb, input_precision="ieee")
-    p_y = y + o_th[:, None] * K + o_k[None, :]
-    tl.store(p_y, b_y, mask=m_t[:, None] & m_k[None, :])
+    # Y = T (exp(G) b k)
+    tl.store(y + o_th[:, None] * K + o_k[None, :], tl.dot(b_T, b_kbe, input_precision="ieee"), mask=m_tk)
 
-    # Ũ = T (β v), one value tile at a time
-    b_Tb = b_T * b_beta[None, :]
+    # Ũ = T (w v), one value tile at a time
+    if not WRITE_PER_VALUE:
+        b_T = b_T * tl.load(w + o_th, mask=m_t, other=0.0).to(tl.float32)[None, :]
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         b_v = tl.load(v + o_th[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_u = tl.dot(b_Tb, b_v, input_precision="ieee")
-        tl.store(u + o_th[:, None] * V + o_v[None, :], b_u, mask=m_tv)
+        if WRITE_PER_VALUE:
+            b_v = b_v * tl.load(w + o_th[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        tl.store(u + o_th[:, None] * V + o_v[None, :], tl.dot(b_T, b_v, input_precision="ieee"), mask=m_tv)
 
 
 @triton.jit
 def _state_kernel(
-    k, u, y, lam, S0, S, h,
+    k, u, y, lam, gc, S0, S, h, idx, seq,
     L, NC, H, Hk, K, V,
-    HAS_DECAY: tl.constexpr, HAS_ERASE: tl.constexpr,
+    s0_n, s0_h, s0_k, s0_v, s_n, s_h, s_k, s_v,
+    VARLEN: tl.constexpr, HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr, HAS_ERASE: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_INDEX: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     """Chunk-to-chunk state passing for one [K, BV] state tile.
 
     u [N, L, H, V]: Ũ on entry (float32, rewritten in place as U) with
     retrieval, else v itself (input dtype, only read); y [N, L, H, K];
-    S0 [N, H, K, V] read once; h [N, H, NC, K, V] the state entering each
-    chunk; S [N, H, K, V] written once at the end.
+    lam [N, L, H] (scalar decay) or gc [N, L, H, K] (per key: G);
+    S0 read once (zeros unless HAS_INIT), S written once at the end, both
+    addressed by element strides (slot, head, key, value) at row idx[n] (HAS_INDEX; a negative
+    row: nothing read or written) or n; they may be the same memory (each
+    tile is read before the same program writes it); h [chunks, H, K, V]
+    the state entering each chunk (global chunk order).
     """
     i_v = tl.program_id(0).to(tl.int64)
     i_nh = tl.program_id(1).to(tl.int64)
     i_n = i_nh // H
     i_h = i_nh % H
     i_hk = i_h // (H // Hk)
+    bos, n_len, i_cg = _seq_coords(i_n, seq, L, NC, VARLEN)
 
     o_r = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -133,12 +291,19 @@ def _state_kernel(
     m_s = m_k[:, None] & m_v[None, :]
     o_s = o_k[:, None] * V + o_v[None, :]
 
-    b_s = tl.load(S0 + i_nh * K * V + o_s, mask=m_s, other=0.0).to(tl.float32)
-    for i_c in range(NC):
-        tl.store(h + (i_nh * NC + i_c) * K * V + o_s, b_s, mask=m_s)
+    i_row = i_n
+    if HAS_INDEX:
+        i_row = tl.load(idx + i_n).to(tl.int64)
+    m_row = m_s & ((o_k * 0 + i_row) >= 0)[:, None]      # a padding row: no read, no write
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_INIT:
+        p_s0 = S0 + i_row * s0_n + i_h * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
+        b_s = tl.load(p_s0, mask=m_row, other=0.0).to(tl.float32)
+    for i_c in range((n_len + BT - 1) // BT):
+        tl.store(h + ((i_cg + i_c) * H + i_h) * K * V + o_s, b_s, mask=m_s)
         o_t = i_c * BT + o_r
-        m_t = o_t < L
-        i_t = i_n * L + o_t
+        m_t = o_t < n_len
+        i_t = bos + o_t
         o_th = i_t * H + i_h
         m_tv = m_t[:, None] & m_v[None, :]
         m_tk = m_t[:, None] & m_k[None, :]
@@ -152,123 +317,191 @@ def _state_kernel(
 
         b_k = tl.load(k + (i_t * Hk + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         if HAS_DECAY:
-            b_l = tl.load(lam + o_th, mask=m_t, other=0.0).to(tl.float32)
-            b_g = tl.cumsum(b_l, axis=0)
-            b_gl = tl.sum(b_l, axis=0)           # G at the chunk's end (masked tokens add 0)
-            b_k = b_k * tl.exp(b_gl - b_g)[:, None]
-            b_s = b_s * tl.exp(b_gl)
+            if DECAY_PER_KEY:                    # G from the cumsum kernel's scratch: no scan here
+                b_g = tl.load(gc + o_th[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+                i_last = bos + i_c * BT + tl.minimum(n_len - i_c * BT, BT) - 1
+                b_gl = tl.load(gc + (i_last * H + i_h) * K + o_k, mask=m_k, other=0.0)   # G at the chunk's end
+                b_k = b_k * tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.0))
+                b_s = b_s * tl.exp(b_gl)[:, None]
+            else:
+                b_l = tl.load(lam + o_th, mask=m_t, other=0.0).to(tl.float32)
+                b_g = tl.cumsum(b_l, axis=0)
+                b_gl = tl.sum(b_l, axis=0)
+                b_k = b_k * tl.exp(b_gl - b_g)[:, None]
+                b_s = b_s * tl.exp(b_gl)
         b_s = b_s + tl.dot(tl.trans(b_k), b_u, input_precision="ieee")
 
-    tl.store(S + i_nh * K * V + o_s, b_s, mask=m_s)
+    p_s = S + i_row * s_n + i_h * s_h + o_k[:, None] * s_k + o_v[None, :] * s_v
+    tl.store(p_s, b_s, mask=m_row)
 
 
 @triton.jit
 def _output_kernel(
-    q, k, u, lam, h, o,
+    q, k, u, lam, gc, h, o, seq, chunks,
     scale, L, NC, H, Hq, Hk, K, V,
-    G: tl.constexpr,
-    HAS_DECAY: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    G: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """O = scale [(Q exp(G)) S_in + (lower(Q K^T) ⊙ Γ) U] for one chunk and value tile.
+    """O = scale [(Q ⊙ exp(G)) S_in + M U] for one chunk and value tile.
 
     q [N, L, Hq, G, K]; u [N, L, H, V] (U, or v without retrieval);
-    h [N, H, NC, K, V]; o [N, L, H, G, V] float32.
+    lam [N, L, H] (scalar decay) or gc [N, L, H, K] (per key: G);
+    h [chunks, H, K, V]; o [N, L, H, G, V] float32.
     """
-    i_c = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1).to(tl.int64)
-    i_nh = tl.program_id(2).to(tl.int64)
-    i_n = i_nh // H
-    i_h = i_nh % H
+    i_n, i_h, i_c, bos, n_len, i_cg = _chunk_coords(
+        tl.program_id(0).to(tl.int64), tl.program_id(2).to(tl.int64), seq, chunks, L, NC, H, VARLEN)
     i_hq = i_h // (H // Hq)
     i_hk = i_h // (H // Hk)
 
     o_r = tl.arange(0, BT)
     o_t = i_c * BT + o_r
-    m_t = o_t < L
+    m_t = o_t < n_len
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
     m_tk = m_t[:, None] & m_k[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
-    i_t = i_n * L + o_t
+    i_t = bos + o_t
     o_th = i_t * H + i_h
 
     b_k = tl.load(k + (i_t * Hk + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     b_u = tl.load(u + o_th[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-    b_s = tl.load(h + (i_nh * NC + i_c) * K * V + o_k[:, None] * V + o_v[None, :],
+    b_s = tl.load(h + (i_cg * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
                   mask=m_k[:, None] & m_v[None, :], other=0.0)
     m_m = o_r[:, None] >= o_r[None, :]
-    b_e = tl.full([BT], 1.0, dtype=tl.float32)
-    b_gam = tl.where(m_m, 1.0, 0.0)
-    if HAS_DECAY:
-        b_g = tl.cumsum(tl.load(lam + o_th, mask=m_t, other=0.0).to(tl.float32), axis=0)
+    if DECAY_PER_KEY:
+        b_g = tl.load(gc + o_th[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
         b_e = tl.exp(b_g)
-        b_gam = tl.where(m_m, tl.exp(tl.where(m_m, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+    else:
+        b_e = tl.full([BT], 1.0, dtype=tl.float32)
+        b_gam = tl.where(m_m, 1.0, 0.0)
+        if HAS_DECAY:
+            b_g = tl.cumsum(tl.load(lam + o_th, mask=m_t, other=0.0).to(tl.float32), axis=0)
+            b_e = tl.exp(b_g)
+            b_gam = tl.where(m_m, tl.exp(tl.where(m_m, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
 
     for g in tl.static_range(G):
         p_q = q + ((i_t * Hq + i_hq) * G + g)[:, None] * K + o_k[None, :]
         b_q = tl.load(p_q, mask=m_tk, other=0.0).to(tl.float32)
-        b_m = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * b_gam
-        b_o = tl.dot(b_q * b_e[:, None], b_s, input_precision="ieee")
+        if DECAY_PER_KEY:
+            b_m = _pairwise_per_key(b_q, b_k, b_g, k, gc, bos, i_c, n_len, i_h, i_hk, H, Hk, K,
+                                    STRICT=False, BT=BT, BC=BC, BK=BK)
+            b_o = tl.dot(b_q * b_e, b_s, input_precision="ieee")
+        else:
+            b_m = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * b_gam
+            b_o = tl.dot(b_q * b_e[:, None], b_s, input_precision="ieee")
         b_o = scale * (b_o + tl.dot(b_m, b_u, input_precision="ieee"))
         p_o = o + (o_th * G + g)[:, None] * V + o_v[None, :]
         tl.store(p_o, b_o, mask=m_tv)
 
 
-def chunked(q, k, v, lam, b, w, S0, scale: float, S=None):
-    """Chunked prefill; returns (o [N, L, H, G, V], S [N, H, K, V]), float32.
+def spans_tensors(spans, BT: int, device):
+    """Host-side, once per call: seq [N, 3] = (first token, length, first global chunk) and
+    chunks [total, 2] = (sequence, chunk), int64 on `device`, for spans [(first token, length)]."""
+    seq, chunks, first = [], [], 0
+    for n, (bos, length) in enumerate(spans):
+        nc = -(-length // BT)
+        seq.append((bos, length, first))
+        chunks += [(n, c) for c in range(nc)]
+        first += nc
+    as_t = lambda x, w: torch.tensor(x, dtype=torch.int64).reshape(-1, w).to(device)  # noqa: E731
+    return as_t(seq, 3), as_t(chunks, 2), first
+
+
+def chunked(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=None, state_layout: str = "kv",
+            spans=None):
+    """Chunked prefill; returns (o, S), o float32.
 
     q [N, L, Hq, G, K], k [N, L, Hk, K], v [N, L, H, V] (Hq, Hk divide H);
-    lam None or [N, L, H] (scalar log decay); b None or [N, L, H] (scalar
-    beta; w must then be b, or an equal tensor); S0 [N, H, K, V] float32.
-    `S` is the contiguous output state buffer (default a new tensor; S0
-    itself updates the states in place: each state tile is read before it is
-    written, by the same program). Per-key decay and channel-wise gates are
-    not handled here (see `backends.triton_chunked_support`).
+    lam None, [N, L, H] or [N, L, H, K] (log decay); b None, [N, L, H]
+    (scalar beta: w is b, or an equal tensor) or [N, L, H, K] (erase, with w
+    [N, L, H, V] the write gate); S0 None (zeros) or float32 [N, H, K, V]
+    ("kv") / [N, H, V, K] ("vk"), any strides. o is [N, L, H, G, V].
+
+    `spans` (varlen, no packing): a host list of (first token, length) in the
+    flat [N * L] token axis of the operands, one per sequence, disjoint; the
+    sequence count is len(spans), chunk indices are computed once here, and
+    o [N, L, H, G, V] holds each span's outputs in place (zeros elsewhere).
+
+    `S` is the output state buffer, same layout as S0 (default a new
+    contiguous tensor; S0 itself updates the states in place: each state
+    tile is read before it is written, by the same program). With
+    `state_indices` [sequences] (int), S0 is a slab: sequence n reads row
+    state_indices[n] and, unless `S` is given, writes that row in place
+    (negative: padding, the slab row is neither read nor written; its
+    output is computed from a zero state and is the caller's to discard).
     """
-    if (lam is not None and lam.dim() != 3) or (b is not None and b.dim() != 3) \
-            or (w is not None and w.dim() != 3) or ((b is None) != (w is None)):
-        raise ValueError("triton chunked: scalar decay and scalar beta only")
+    if (lam is not None and lam.dim() not in (3, 4)) or (b is None) != (w is None) \
+            or (b is not None and (b.dim() not in (3, 4) or (b.dim() == 3) != (w.dim() == 3))):
+        raise ValueError("triton chunked: lam [N,L,H] or [N,L,H,K]; b, w both scalar [N,L,H] or "
+                         "erase [N,L,H,K] with write [N,L,H,V]")
     N, L, H, V = v.shape
     Hq, G, K = q.shape[2], q.shape[3], q.shape[4]
     Hk = k.shape[2]
     contig = lambda x: None if x is None else x.contiguous()  # noqa: E731
-    q, k, v, lam, b = map(contig, (q, k, v, lam, b))
-    S0 = S0.contiguous()
+    q, k, v, lam, b, w = map(contig, (q, k, v, lam, b, w))
+    BT, BC = CHUNK, SUB
+    varlen = spans is not None
+    if varlen:
+        seq, chunk_list, n_chunks = spans_tensors(spans, BT, v.device)
+        n_seq = len(spans)
+        covered = sum(length for _, length in spans) == N * L
+        o = (torch.empty if covered else torch.zeros)(N, L, H, G, V, dtype=torch.float32, device=v.device)
+        NC = 0                                   # unused: every chunk program reads its coordinates
+        grid_c, grid_h = n_chunks, H
+    else:
+        seq = chunk_list = None
+        n_seq = N
+        o = torch.empty(N, L, H, G, V, dtype=torch.float32, device=v.device)
+        NC = triton.cdiv(L, BT)
+        n_chunks = N * NC
+        grid_c, grid_h = NC, N * H
     if S is None:
-        S = torch.empty_like(S0)
-    o = torch.empty(N, L, H, G, V, dtype=torch.float32, device=v.device)
-    if N * H == 0:
+        S = new_state(S0, state_indices, n_seq, H, K, V, state_layout, v.device)
+    if n_seq * H == 0:
         return o, S
-    BT = CHUNK
-    NC = triton.cdiv(L, BT)
     BK = max(16, triton.next_power_of_2(K))
     BV = min(64, max(16, triton.next_power_of_2(V)))
     NV = triton.cdiv(V, BV)
     has_decay = lam is not None
-    has_erase = b is not None
+    per_key = has_decay and lam.dim() == 4
+    has_erase = b is not None and n_chunks > 0
+    gc = None
+    if per_key:                       # allocated even without chunks: the state kernel takes a pointer
+        gc = torch.empty(lam.shape, dtype=torch.float32, device=v.device)
+    if per_key and n_chunks > 0:
+        _cumsum_kernel[(grid_c, grid_h)](lam, gc, seq, chunk_list, L, NC, H, K, VARLEN=varlen, BT=BT, BK=BK)
     u, y = v, None
-    if has_erase and NC > 0:
+    if has_erase:
         u = torch.empty(N, L, H, V, dtype=torch.float32, device=v.device)
         y = torch.empty(N, L, H, K, dtype=torch.float32, device=v.device)
-        _intra_kernel[(NC, N * H)](
-            k, v, lam, b, u, y,
-            L, H, Hk, K, V,
-            HAS_DECAY=has_decay, BT=BT, BK=BK, BV=BV,
+        _intra_kernel[(grid_c, grid_h)](
+            k, v, lam, gc, b, w, u, y, seq, chunk_list,
+            L, NC, H, Hk, K, V,
+            VARLEN=varlen, HAS_DECAY=has_decay, DECAY_PER_KEY=per_key,
+            ERASE_PER_KEY=b.dim() == 4, WRITE_PER_VALUE=w.dim() == 4,
+            BT=BT, BC=BC, LEVELS=(BT // BC).bit_length() - 1, BK=BK, BV=BV,
         )
-    h = torch.empty(N, H, max(NC, 1), K, V, dtype=torch.float32, device=v.device)
-    _state_kernel[(NV, N * H)](
-        k, u, y, lam, S0, S, h,
+    h = torch.empty(max(n_chunks, 1), H, K, V, dtype=torch.float32, device=v.device)
+    idx = None
+    if state_indices is not None:
+        idx = state_indices.to(device=v.device, dtype=torch.int64).contiguous()
+    _state_kernel[(NV, n_seq * H)](
+        k, u, y, lam, gc, S0, S, h, idx, seq,
         L, NC, H, Hk, K, V,
-        HAS_DECAY=has_decay, HAS_ERASE=has_erase and NC > 0,
+        *(_strides(S0, state_layout) if S0 is not None else (0, 0, 0, 0)), *_strides(S, state_layout),
+        VARLEN=varlen, HAS_DECAY=has_decay, DECAY_PER_KEY=per_key, HAS_ERASE=has_erase,
+        HAS_INIT=S0 is not None, HAS_INDEX=idx is not None,
         BT=BT, BK=BK, BV=BV,
     )
-    if NC > 0:
-        _output_kernel[(NC, NV, N * H)](
-            q, k, u, lam, h, o,
+    if n_chunks > 0:
+        _output_kernel[(grid_c, NV, grid_h)](
+            q, k, u, lam, gc, h, o, seq, chunk_list,
             float(scale), L, NC, H, Hq, Hk, K, V,
-            G=G, HAS_DECAY=has_decay, BT=BT, BK=BK, BV=BV,
+            G=G, VARLEN=varlen, HAS_DECAY=has_decay, DECAY_PER_KEY=per_key,
+            BT=BT, BC=BC, BK=BK, BV=BV,
         )
     return o, S

@@ -11,7 +11,11 @@ state once for both the retrieval and the output (ALGORITHM.md, "Decode"):
 and stores the state once at the end. Columns of the state are independent,
 so value tiles need no communication.
 
-Compute only: float32 contiguous operands as described in
+The state is read from, and written to, wherever it lies: any strides (a
+K-major or V-major state), optionally at slab rows `state_indices[n]` (a
+negative index is padding: that row is never touched), in place.
+
+Compute only: token-major operands as described in
 `deltarule.backends._prepare`; absent gates are None; no validation. The
 kernel writes its state, so it is never autotuned. Under `TRITON_INTERPRET=1`
 (set before this module is imported) it runs on CPU tensors.
@@ -26,9 +30,10 @@ import triton.language as tl
 
 @triton.jit
 def _recurrent_kernel(
-    q, k, v, lam, b, w, S0, S, o,
+    q, k, v, lam, b, w, S0, S, o, idx, seq,
     scale, L, H, Hq, Hk, K, V,
-    G: tl.constexpr,
+    s0_n, s0_h, s0_k, s0_v, s_n, s_h, s_k, s_v,
+    G: tl.constexpr, VARLEN: tl.constexpr, HAS_INIT: tl.constexpr, HAS_INDEX: tl.constexpr,
     HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr,
     HAS_ERASE: tl.constexpr, ERASE_PER_KEY: tl.constexpr,
     HAS_WRITE: tl.constexpr, WRITE_PER_VALUE: tl.constexpr,
@@ -38,9 +43,14 @@ def _recurrent_kernel(
 
     q [N, L, Hq, G, K], k [N, L, Hk, K], v [N, L, H, V] (Hq, Hk divide H);
     lam [N, L, H] or [N, L, H, K]; b [N, L, H] or [N, L, H, K];
-    w [N, L, H] or [N, L, H, V]; S0 [N, H, K, V] read once at the start;
-    S [N, H, K, V] written once at the end (may alias S0: each program
-    touches only its own tile); o [N, L, H, G, V].
+    w [N, L, H] or [N, L, H, V]; o [N, L, H, G, V]. The state is read once
+    at the start from S0 (zeros unless HAS_INIT) and written once at the end
+    to S, both addressed by element strides (slot, head, key, value), so
+    K-major and V-major states alike, at row idx[n] (HAS_INDEX: a slab; a
+    negative row is a padding sequence: nothing read or written) or n. S may
+    be S0 itself (in place: each program touches only its own tile).
+    VARLEN: sequence n is the span seq[n, 0] .. + seq[n, 1] of the flat token
+    axis (no packing); else tokens n * L .. + L.
     """
     i_v = tl.program_id(0).to(tl.int64)
     i_nh = tl.program_id(1).to(tl.int64)
@@ -55,11 +65,23 @@ def _recurrent_kernel(
     m_v = o_v < V
     m_s = m_k[:, None] & m_v[None, :]
 
-    o_s = i_nh * K * V + o_k[:, None] * V + o_v[None, :]
-    b_s = tl.load(S0 + o_s, mask=m_s, other=0.0).to(tl.float32)
+    i_row = i_n
+    if HAS_INDEX:
+        i_row = tl.load(idx + i_n).to(tl.int64)
+    m_row = m_s & ((o_k * 0 + i_row) >= 0)[:, None]      # a padding row: no read, no write
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_INIT:
+        p_s0 = S0 + i_row * s0_n + i_h * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
+        b_s = tl.load(p_s0, mask=m_row, other=0.0).to(tl.float32)
 
-    for t in range(L):
-        i_t = i_n * L + t                       # token row in the [N * L] token axis
+    if VARLEN:
+        bos = tl.load(seq + 3 * i_n).to(tl.int64)
+        n_len = tl.load(seq + 3 * i_n + 1).to(tl.int64)
+    else:
+        bos = i_n * L
+        n_len = bos * 0 + L
+    for t in range(n_len):
+        i_t = bos + t                           # token row in the flat token axis
         o_th = i_t * H + i_h                    # (token, state head) row of v, o and the gates
         p_k = k + (i_t * Hk + i_hk) * K + o_k
         p_v = v + o_th * V + o_v
@@ -93,36 +115,67 @@ def _recurrent_kernel(
             tl.store(p_o, b_o, mask=m_v)
         b_s = b_d[:, None] * b_s + b_k[:, None] * b_u[None, :]
 
-    tl.store(S + o_s, b_s, mask=m_s)
+    p_s = S + i_row * s_n + i_h * s_h + o_k[:, None] * s_k + o_v[None, :] * s_v
+    tl.store(p_s, b_s, mask=m_row)
 
 
-def recurrent(q, k, v, lam, b, w, S0, scale: float, S=None):
-    """Run the fused recurrence; returns (o [N, L, H, G, V], S [N, H, K, V]), float32.
+def _strides(x, layout: str):
+    """(slot, head, key, value) element strides of a [S, H, K, V] ("kv") or [S, H, V, K] ("vk") state."""
+    s_n, s_h, s_a, s_b = x.stride()
+    return (s_n, s_h, s_a, s_b) if layout == "kv" else (s_n, s_h, s_b, s_a)
+
+
+def new_state(S0, state_indices, N: int, H: int, K: int, V: int, layout: str, device):
+    """The state buffer the kernels write: S0 itself for a slab (in place), else a new one."""
+    if state_indices is not None:
+        return S0
+    shape = (N, H, K, V) if layout == "kv" else (N, H, V, K)
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def recurrent(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=None, state_layout: str = "kv",
+              spans=None):
+    """Run the fused recurrence; returns (o [N, L, H, G, V] float32, S).
 
     q [N, L, Hq, G, K], k [N, L, Hk, K], v [N, L, H, V]; lam, b: None,
-    [N, L, H] or [N, L, H, K]; w: None, [N, L, H] or [N, L, H, V];
-    S0 [N, H, K, V] float32. `S` is the contiguous output state buffer
-    (default a new tensor); passing a contiguous `S0` itself updates the
-    states in place.
+    [N, L, H] or [N, L, H, K]; w: None, [N, L, H] or [N, L, H, V].
+    S0: None (zeros) or float32 [N, H, K, V] ("kv") / [N, H, V, K] ("vk"),
+    any strides. `S` is the output state buffer, same layout (default a new
+    contiguous tensor; S0 itself updates the states in place). With
+    `state_indices` [N] (int), S0 is a slab: sequence n reads row
+    state_indices[n] and, unless `S` is given, writes that row in place;
+    a negative index is padding: that slab row is neither read nor written
+    (the sequence's output is computed from a zero state; the caller
+    discards it). `spans` (varlen, no packing): a host list of disjoint
+    (first token, length) in the flat [N * L] token axis, one per sequence;
+    o [N, L, H, G, V] then holds each span's outputs in place (zeros elsewhere).
     """
     N, L, H, V = v.shape
     Hq, G, K = q.shape[2], q.shape[3], q.shape[4]
     Hk = k.shape[2]
     contig = lambda x: None if x is None else x.contiguous()  # noqa: E731
     q, k, v, lam, b, w = map(contig, (q, k, v, lam, b, w))
-    S0 = S0.contiguous()
+    n_seq, seq, covered = N, None, True
+    if spans is not None:
+        n_seq = len(spans)
+        seq = torch.tensor([(bos, n, 0) for bos, n in spans], dtype=torch.int64).reshape(-1, 3).to(v.device)
+        covered = sum(n for _, n in spans) == N * L
     if S is None:
-        S = torch.empty_like(S0)
-    o = torch.empty(N, L, H, G, V, dtype=torch.float32, device=v.device)
-    if N * H == 0:
+        S = new_state(S0, state_indices, n_seq, H, K, V, state_layout, v.device)
+    o = (torch.empty if covered else torch.zeros)(N, L, H, G, V, dtype=torch.float32, device=v.device)
+    if n_seq * H == 0:
         return o, S
+    idx = None
+    if state_indices is not None:
+        idx = state_indices.to(device=v.device, dtype=torch.int64).contiguous()
     BK = triton.next_power_of_2(K)
     BV = min(64, triton.next_power_of_2(V))
-    grid = (triton.cdiv(V, BV), N * H)
+    grid = (triton.cdiv(V, BV), n_seq * H)
     _recurrent_kernel[grid](
-        q, k, v, lam, b, w, S0, S, o,
+        q, k, v, lam, b, w, S0, S, o, idx, seq,
         float(scale), L, H, Hq, Hk, K, V,
-        G=G,
+        *(_strides(S0, state_layout) if S0 is not None else (0, 0, 0, 0)), *_strides(S, state_layout),
+        G=G, VARLEN=seq is not None, HAS_INIT=S0 is not None, HAS_INDEX=idx is not None,
         HAS_DECAY=lam is not None, DECAY_PER_KEY=lam is not None and lam.dim() == 4,
         HAS_ERASE=b is not None, ERASE_PER_KEY=b is not None and b.dim() == 4,
         HAS_WRITE=w is not None, WRITE_PER_VALUE=w is not None and w.dim() == 4,
