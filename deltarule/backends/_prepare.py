@@ -11,7 +11,7 @@ the results back through `finish`:
     lam  None | [N, L, Hv] | [N, L, Hv, K]    log decay (g + gk, raw arm applied)
     b    None | [N, L, Hv] | [N, L, Hv, K]    erase gate (scalar beta: [N, L, Hv])
     w    None | [N, L, Hv] | [N, L, Hv, V]    write gate
-    S0   [N, Hv, K, V] float32 K-major
+    S0   [N, Hv, K, V] float32 K-major (None: the backend reads the states where they lie)
 
 Tokens past a sequence's length are identity steps (k = 0, lam = 0, all else 0),
 so the state after L padded steps is the state after the sequence's last token.
@@ -36,7 +36,7 @@ class Operands:
     lam: torch.Tensor | None
     b: torch.Tensor | None
     w: torch.Tensor | None
-    S0: torch.Tensor
+    S0: torch.Tensor | None
 
 
 @dataclass
@@ -128,8 +128,9 @@ def gates(p: Problem) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.T
     return lam, b, w
 
 
-def operands(p: Problem, pk: Packing) -> Operands:
-    """The kernels' operands (see the module docstring)."""
+def operands(p: Problem, pk: Packing, gather_states: bool = True) -> Operands:
+    """The kernels' operands; `S0` is None when `gather_states` is False (the
+    backend reads the initial states itself, e.g. from a slab in place)."""
     q, k = normalized_qk(p)
     G = p.G
     q = q.reshape(p.B, p.T, p.Hq // G, G * p.K)         # GQA: G query heads per state head
@@ -139,7 +140,7 @@ def operands(p: Problem, pk: Packing) -> Operands:
     qs = qs.view(*qs.shape[:3], G, p.K)
     bs = seq(b)
     return Operands(q=qs, k=seq(k), v=seq(p.v), lam=seq(lam), b=bs,
-                    w=bs if w is b else seq(w), S0=initial_states(p))
+                    w=bs if w is b else seq(w), S0=initial_states(p) if gather_states else None)
 
 
 def initial_states(p: Problem) -> torch.Tensor:
@@ -158,11 +159,12 @@ def initial_states(p: Problem) -> torch.Tensor:
     return S0.masked_fill(pad.view(-1, 1, 1, 1), 0.0)
 
 
-def finish(p: Problem, pk: Packing, o: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def finish(p: Problem, pk: Packing, o: torch.Tensor, S: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel results -> the API's (o [B,T,Ho,V] in v's dtype, state in layout).
 
     `o` is [N, L, Hv, G, V] float32; `S` [N, Hv, K, V] float32 K-major. With a
-    slab, writes the non-padding rows in place and returns the slab.
+    slab, writes the non-padding rows in place and returns the slab; S None
+    means the kernel already updated the slab where it lies.
     """
     N, L, Hv, G, V = o.shape
     o = o.reshape(N, L, p.Ho, V)
@@ -171,6 +173,8 @@ def finish(p: Problem, pk: Packing, o: torch.Tensor, S: torch.Tensor) -> tuple[t
         flat[pk.dst] = o.reshape(N * L, p.Ho, V)[pk.src]
         o = flat.view(p.B, p.T, p.Ho, V)
     o = o.to(p.v.dtype)
+    if S is None:
+        return o, p.initial_state
     state = S.transpose(-1, -2) if p.state_layout == "vk" else S
     if not p.in_place:
         if p.initial_state is not None and state.data_ptr() == p.initial_state.data_ptr():
