@@ -98,3 +98,15 @@ def test_output_pool_recycles_only_dropped_outputs(monkeypatch):
     monkeypatch.setattr(cpu_backend, "POOL_BYTES", 0)
     del o2, s2, o3
     assert cpu_backend._POOL._bytes == 0                                 # the pool's size limit holds
+
+
+def test_extreme_per_key_decays_match_the_reference():
+    """exp in the kernel and the lazy decay's restarts: log decays from -200 (underflow to 0)
+    through -30 and 0 to +0.3 (growth), mixed across keys and tokens."""
+    args = cases.make_inputs(dict(CASE, T=150, initial_state=True))
+    gen = torch.Generator().manual_seed(3)
+    choices = torch.tensor([-200.0, -30.0, -1.0, -0.01, 0.0, 0.3])
+    args["gk"] = choices[torch.randint(0, len(choices), args["gk"].shape, generator=gen)]
+    o, state = deltarule.linear_attention(**args, backend="cpu")
+    want_o, want_s = expected(args)
+    assert rel(o, want_o) < 5e-5 and rel(state, want_s) < 5e-5

@@ -87,7 +87,8 @@ def _to_sequences(x: torch.Tensor, pk: Packing, B: int, T: int) -> torch.Tensor:
     return x.masked_fill(~pk.valid.view(*pk.valid.shape, *([1] * (x.dim() - 2))), 0)
 
 
-def _log_decay(p: Problem) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def log_decays(p: Problem) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(g [B, T, Hv], gk [B, T, Hv, K]) log decays in float32, the raw-gate arm applied."""
     f32 = torch.float32
     g = None if p.g is None else p.g.to(f32)
     gk = None if p.gk is None else p.gk.to(f32)
@@ -111,21 +112,25 @@ def normalized_qk(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     return q, k
 
 
+def update_gates(p: Problem) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(b, w): the erase and the write gate in float32 in the API's token layout
+    [B, T, Hv(, K or V)], sigmoid applied with `beta_sigmoid`; with scalar beta, b is w."""
+    if not p.retrieves:
+        return None, None
+    f32 = torch.float32
+    act = torch.sigmoid if p.beta_sigmoid else (lambda x: x)
+    if p.beta is not None:
+        b = act(p.beta.to(f32))
+        return b, b
+    return act(p.erase.to(f32)), act(p.write.to(f32))
+
+
 def gates(p: Problem) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(lam, b, w) in float32 in the API's token layout [B, T, Hv(, K or V)]:
-    the log decay (g + gk, raw arm applied), the erase and the write gate
-    (sigmoid applied with `beta_sigmoid`; with scalar beta, b is w)."""
-    f32 = torch.float32
-    g, gk = _log_decay(p)
+    the log decay (g + gk, raw arm applied) and `update_gates`."""
+    g, gk = log_decays(p)
     lam = gk if g is None else (g if gk is None else gk + g[..., None])
-    b = w = None
-    if p.retrieves:
-        act = torch.sigmoid if p.beta_sigmoid else (lambda x: x)
-        if p.beta is not None:
-            b = w = act(p.beta.to(f32))
-        else:
-            b, w = act(p.erase.to(f32)), act(p.write.to(f32))
-    return lam, b, w
+    return (lam, *update_gates(p))
 
 
 def operands(p: Problem, pk: Packing, gather_states: bool = True) -> Operands:

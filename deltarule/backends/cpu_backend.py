@@ -55,8 +55,8 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     q = p.q.contiguous().view(p.B, p.T, p.Hq // p.G, p.G, p.K)
     k = p.k.contiguous()
     v = p.v.contiguous()
-    lam, b, w = _prepare.gates(p)
-    d = None if lam is None else lam.exp().contiguous()
+    g, gk = (None if x is None else x.contiguous() for x in _prepare.log_decays(p))  # exp in the kernel
+    b, w = _prepare.update_gates(p)
     shared = w is b                                  # scalar beta: one gate, one copy
     b = None if b is None else b.contiguous()
     w = b if shared else (None if w is None else w.contiguous())
@@ -74,7 +74,7 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
             S = S.transpose(-1, -2)
     steps = sum(s.length + 1 for s in p.spans) * p.Hv * p.K * p.V
     threads = max(1, min(torch.get_num_threads(), steps // ELEMENT_STEPS_PER_THREAD))
-    cpu_recurrent.recurrent(q, k, v, d, b, w, S0, S, o, spans, owner, p.scale,
+    cpu_recurrent.recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, owner, p.scale,
                             p.l2norm_eps if p.qk_l2norm else None, threads)
 
     o = o.view(p.B, p.T, p.Ho, p.V)

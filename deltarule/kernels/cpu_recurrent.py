@@ -18,11 +18,11 @@ TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # element type
 
 
 class _Problem(ctypes.Structure):
-    _fields_ = ([(name, ctypes.c_void_p) for name in ("q", "k", "v", "d", "b", "w", "s0", "s", "o",
+    _fields_ = ([(name, ctypes.c_void_p) for name in ("q", "k", "v", "g", "gk", "b", "w", "s0", "s", "o",
                                                       "spans", "owner")]
                 + [(name, ctypes.c_int64) for name in ("N", "T", "Hv", "K", "V", "G", "rq", "rk")]
                 + [(name, ctypes.c_int64 * 4) for name in ("s0_stride", "s_stride")]
-                + [(name, ctypes.c_int) for name in ("d_form", "b_form", "w_form", "qk_type", "v_type",
+                + [(name, ctypes.c_int) for name in ("b_form", "w_form", "qk_type", "v_type",
                                                      "in_place", "qk_l2norm")]
                 + [(name, ctypes.c_float) for name in ("l2norm_eps", "scale")])
 
@@ -54,14 +54,14 @@ def _form(x: torch.Tensor | None, channel_dim: int) -> int:
     return CHANNEL if x.dim() == channel_dim else SCALAR
 
 
-def recurrent(q, k, v, d, b, w, S0, S, o, spans, owner, scale: float, l2norm_eps: float | None,
+def recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, owner, scale: float, l2norm_eps: float | None,
               threads: int) -> None:
     """Runs the recurrence; writes o and the final states.
 
     q [B, T, Hq', G, K], k [B, T, Hk, K] contiguous, one dtype of TYPES;
     v [B, T, Hv, V] contiguous, a dtype of TYPES (Hq' and Hk divide Hv; G
     query heads per state head);
-    d None | [B, T, Hv] | [B, T, Hv, K]  decay factors exp(log decay);
+    g None | [B, T, Hv], gk None | [B, T, Hv, K]  log decays (the kernel takes exp(gk + g));
     b None | [B, T, Hv] | [B, T, Hv, K]  erase; w None | [B, T, Hv] | [B, T, Hv, V]  write;
     S0 [*, Hv, K, V] (any strides; None: every sequence starts from zeros) and
     S [*, Hv, K, V] (any strides; may be S0 itself, a slab updated in place)
@@ -75,11 +75,11 @@ def recurrent(q, k, v, d, b, w, S0, S, o, spans, owner, scale: float, l2norm_eps
     zero = torch.zeros(1, 1, 1, 1)
     s0 = S0 if S0 is not None else zero
     P = _Problem(
-        _ptr(q), _ptr(k), _ptr(v), _ptr(d), _ptr(b), _ptr(w), _ptr(S0), _ptr(S), _ptr(o),
+        _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(gk), _ptr(b), _ptr(w), _ptr(S0), _ptr(S), _ptr(o),
         _ptr(spans), _ptr(owner),
         spans.shape[0], T, Hv, K, V, q.shape[3], Hv // q.shape[2], Hv // k.shape[2],
         (ctypes.c_int64 * 4)(*s0.stride()), (ctypes.c_int64 * 4)(*S.stride()),
-        _form(d, 4), _form(b, 4), _form(w, 4), TYPES[q.dtype], TYPES[v.dtype],
+        _form(b, 4), _form(w, 4), TYPES[q.dtype], TYPES[v.dtype],
         S0 is not None and S.data_ptr() == S0.data_ptr(), l2norm_eps is not None, 0.0 if l2norm_eps is None else l2norm_eps, scale)
     if _LIB.deltarule_recurrent(ctypes.byref(P), threads):
         raise MemoryError("deltarule cpu kernel: no memory for a thread's tile buffer")

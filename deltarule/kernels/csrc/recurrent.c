@@ -109,8 +109,9 @@ static inline void narrow(void *x, int64_t off, const float *src, int64_t n, int
 
 typedef struct {
     const void *q, *k, *v;           /* [B, T, Hv/rq, G, K], [B, T, Hv/rk, K] (qk_type), [B, T, Hv, V] (v_type) */
-    const float *d, *b, *w;          /* decay factors exp(log decay), erase, write: [B, T, Hv] or
-                                        [B, T, Hv, K] (d, b), [B, T, Hv, V] (w), by their forms */
+    const float *g, *gk;             /* log decays: NULL or [B, T, Hv] (g), NULL or [B, T, Hv, K] (gk) */
+    const float *b, *w;              /* erase, write: [B, T, Hv] or [B, T, Hv, K] (b),
+                                        [B, T, Hv, V] (w), by their forms */
     const float *s0;                 /* initial states [slot, Hv, K, V] at strides s0_stride */
     float *s;                        /* final states, strides s_stride (may be s0: a slab in place) */
     void *o;                         /* [B, T, Hv, G, V] (v_type) */
@@ -118,7 +119,7 @@ typedef struct {
     const int32_t *owner;            /* NULL, or [B*T]: the span whose output a token keeps (-1: none) */
     int64_t N, T, Hv, K, V, G, rq, rk;
     int64_t s0_stride[4], s_stride[4];   /* in floats: slot, head, key, value */
-    int d_form, b_form, w_form;
+    int b_form, w_form;
     int qk_type, v_type;
     int in_place;                    /* s is s0 (a slab): plain stores */
     int qk_l2norm;                   /* normalise staged q and k rows: x / sqrt(sum x^2 + l2norm_eps) */
@@ -136,6 +137,54 @@ typedef struct {
     float *c;                        /* [K] the lazy scale after the block's last token */
     float *vw;                       /* [TB, TILE] w*v of one tile, zero-padded */
 } scratch;
+
+typedef int32_t vi __attribute__((vector_size(64), aligned(64)));
+
+/* exp of 16 floats: exp(x) = 2^n exp(r), n = round(x / ln 2), |r| <= ln(2) / 2, exp(r) by a
+ * degree-7 Taylor polynomial; 2^n applied as two factors so that results down to the
+ * denormals and up to FLT_MAX come out right. Relative error below 3e-7 where the result is
+ * normal (tests/test_cpu_backend.py checks it against float64); overflow gives infinity, NaN
+ * stays NaN. */
+static inline vf vexp(vf x)
+{
+    const vf lo = splat(-104.0f), hi = splat(89.0f);   /* exp(-104) rounds to 0, exp(89) to inf */
+    const vi nan = x != x;
+    x = (vf)(((vi)x & ~(x < lo)) | ((vi)lo & (x < lo)));
+    x = (vf)(((vi)x & ~(x > hi)) | ((vi)hi & (x > hi)));
+    const vf shifter = splat(12582912.0f);             /* 1.5 * 2^23: adding it rounds to an integer */
+    const vf t = x * splat(1.44269504f) + shifter;
+    const vf n = t - shifter;
+    const vf r = (x - n * splat(0.693145752f)) - n * splat(1.42860677e-6f);   /* ln 2 in two parts */
+    vf p = splat(1.0f / 5040);
+    p = p * r + splat(1.0f / 720);
+    p = p * r + splat(1.0f / 120);
+    p = p * r + splat(1.0f / 24);
+    p = p * r + splat(1.0f / 6);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.0f);
+    p = p * r + splat(1.0f);
+    const vi ni = (vi)t - (vi)shifter, n1 = ni >> 1, n2 = ni - n1;   /* n = n1 + n2, each in [-76, 65) */
+    const vf y = p * (vf)((n1 + 127) << 23) * (vf)((n2 + 127) << 23);
+    return (vf)(((vi)y & ~nan) | ((vi)splat(__builtin_nanf("")) & nan));
+}
+
+/* out[i] = exp(x[i] + shift), i < n */
+static inline void exp_shifted(float *out, const float *x, float shift, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + VEC <= n; i += VEC) {
+        vf a;
+        memcpy(&a, x + i, sizeof a);
+        a = vexp(a + splat(shift));
+        memcpy(out + i, &a, sizeof a);
+    }
+    if (i < n) {
+        vf a = splat(0.0f);
+        memcpy(&a, x + i, sizeof(float) * (n - i));
+        a = vexp(a + splat(shift));
+        memcpy(out + i, &a, sizeof(float) * (n - i));
+    }
+}
 
 /* x . y over n floats, in 16 partial sums */
 static inline float dot(const float *x, const float *y, int64_t n)
@@ -270,12 +319,13 @@ static void key_side(const problem *P, const scratch *W, int64_t bt0, int64_t h,
         const int64_t th = (bt0 + s) * Hv + h;
         const float *kt = W->kb + s * K, *qt = W->qb + s * G * K;
         float *cd = W->cd + s * K, *eb = W->eb + s * K, *kc = W->kc + s * K;
-        if (P->d_form == CHANNEL) {
-            const float *dt = P->d + th * K;
+        const float gs = P->g ? P->g[th] : 0.0f;
+        if (P->gk) {
+            exp_shifted(cd, P->gk + th * K, gs, K);
             for (int64_t i = 0; i < K; i++)
-                cd[i] = c[i] * dt[i];
+                cd[i] *= c[i];
         } else {
-            const float ds = P->d_form == SCALAR ? P->d[th] : 1.0f;
+            const float ds = P->g ? expf(gs) : 1.0f;
             for (int64_t i = 0; i < K; i++)
                 cd[i] = c[i] * ds;
         }
