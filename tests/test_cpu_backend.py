@@ -110,3 +110,35 @@ def test_extreme_per_key_decays_match_the_reference():
     o, state = deltarule.linear_attention(**args, backend="cpu")
     want_o, want_s = expected(args)
     assert rel(o, want_o) < 5e-5 and rel(state, want_s) < 5e-5
+
+
+DECODE = dict(CASE, T=1, V=128, initial_state=True)      # V a multiple of 64: the direct decode path
+
+
+@pytest.mark.parametrize("over", [
+    dict(decay="g", update="beta"),
+    dict(decay="g+gk", update="erase_write"),
+    dict(decay="gk", update="beta", Hq=4, Hk=4, Hv=4),
+    dict(decay="gk", update="beta", Hq=2, Hk=2, Hv=4),
+    dict(decay="g", update="beta", qk_l2norm=True),
+], ids=["gdn-gqa", "gdn2-gqa", "kda", "kda-gva", "gdn-l2norm"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_single_token_decode_from_the_state_where_it_lies(nan_poison, over, dtype):
+    args = cases.make_inputs(dict(DECODE, **over), dtype)
+    o, state = deltarule.linear_attention(**args, backend="cpu")
+    want_o, want_s = expected(args)
+    tol = 5e-5 if dtype == "float32" else 1e-2
+    assert rel(o, want_o) < tol and rel(state, want_s) < tol
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_single_token_decode_on_a_slab(layout):
+    args = cases.make_inputs(dict(DECODE, state_layout=layout, initial_state=True, state_indices=[2, -1, 0],
+                                  num_slots=4))
+    slab = args["initial_state"]
+    before = slab.clone()
+    want_o, want_s = expected(args)
+    o, out = deltarule.linear_attention(**args, backend="cpu")
+    assert out is slab
+    assert rel(o, want_o) < 5e-5 and rel(slab, want_s) < 5e-5
+    assert torch.equal(slab[[1, 3]], before[[1, 3]]) and torch.equal(o[1], torch.zeros_like(o[1]))

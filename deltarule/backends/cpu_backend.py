@@ -146,17 +146,18 @@ class _OutputPool:
             blocks = self._free.get(nbytes)
             raw = blocks.pop() if blocks else None
             if raw is not None:
-                self._bytes -= nbytes
+                self._bytes -= raw.nbytes
         if raw is None:
-            raw = np.empty(nbytes, dtype=np.uint8)
-        view = raw[:]                                 # the tensor's own array; raw stays with the pool
+            raw = np.empty(nbytes + 64, dtype=np.uint8)
+        start = -raw.ctypes.data % 64                 # 64-byte aligned: the kernel's streaming stores
+        view = raw[start:start + nbytes]              # the tensor's own array; raw stays with the pool
         weakref.finalize(view, self._give, raw)
         return torch.from_numpy(view)
 
     def _give(self, raw: np.ndarray) -> None:
         with self._lock:
             if self._bytes + raw.nbytes <= POOL_BYTES:
-                self._free.setdefault(raw.nbytes, []).append(raw)
+                self._free.setdefault(raw.nbytes - 64, []).append(raw)
                 self._bytes += raw.nbytes
 
 

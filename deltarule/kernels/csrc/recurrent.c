@@ -205,8 +205,12 @@ static inline float dot(const float *x, const float *y, int64_t n)
     return sum;
 }
 
-/* acc = S^T e over a tile, two partial sums per vector */
-static inline void read_tile(const vf *S, const float *e, int64_t K, vf acc[NV])
+/* Rows of NV vectors at any float alignment: the state where it lies (decode). */
+typedef float vfu __attribute__((vector_size(64), aligned(4)));
+#define ROW(S, ld, i, l) (*(const vfu *)((S) + (i) * (ld) + (l) * VEC))
+
+/* acc = S^T e over a tile whose row i starts at S + i*ld, two partial sums per vector */
+static inline void read_tile(const float *S, int64_t ld, const float *e, int64_t K, vf acc[NV])
 {
     vf a1[NV];
     UNROLL for (int l = 0; l < NV; l++) acc[l] = a1[l] = splat(0);
@@ -214,19 +218,20 @@ static inline void read_tile(const vf *S, const float *e, int64_t K, vf acc[NV])
     for (; i + 1 < K; i += 2) {
         const vf x = splat(e[i]), y = splat(e[i + 1]);
         UNROLL for (int l = 0; l < NV; l++) {
-            acc[l] += x * S[NV * i + l];
-            a1[l] += y * S[NV * (i + 1) + l];
+            acc[l] += x * ROW(S, ld, i, l);
+            a1[l] += y * ROW(S, ld, i + 1, l);
         }
     }
     if (i < K) {
         const vf x = splat(e[i]);
-        UNROLL for (int l = 0; l < NV; l++) acc[l] += x * S[NV * i + l];
+        UNROLL for (int l = 0; l < NV; l++) acc[l] += x * ROW(S, ld, i, l);
     }
     UNROLL for (int l = 0; l < NV; l++) acc[l] += a1[l];
 }
 
 /* r = S^T e and p = S^T f in one sweep */
-static inline void read_tile2(const vf *S, const float *e, const float *f, int64_t K, vf r[NV], vf p[NV])
+static inline void read_tile2(const float *S, int64_t ld, const float *e, const float *f, int64_t K,
+                              vf r[NV], vf p[NV])
 {
     vf r1[NV], p1[NV];
     UNROLL for (int l = 0; l < NV; l++) r[l] = p[l] = r1[l] = p1[l] = splat(0);
@@ -234,7 +239,7 @@ static inline void read_tile2(const vf *S, const float *e, const float *f, int64
     for (; i + 1 < K; i += 2) {
         const vf a = splat(e[i]), b = splat(e[i + 1]), x = splat(f[i]), y = splat(f[i + 1]);
         UNROLL for (int l = 0; l < NV; l++) {
-            const vf s0 = S[NV * i + l], s1 = S[NV * (i + 1) + l];
+            const vf s0 = ROW(S, ld, i, l), s1 = ROW(S, ld, i + 1, l);
             r[l] += a * s0; p[l] += x * s0;
             r1[l] += b * s1; p1[l] += y * s1;
         }
@@ -242,7 +247,7 @@ static inline void read_tile2(const vf *S, const float *e, const float *f, int64
     if (i < K) {
         const vf a = splat(e[i]), x = splat(f[i]);
         UNROLL for (int l = 0; l < NV; l++) {
-            r[l] += a * S[NV * i + l]; p[l] += x * S[NV * i + l];
+            r[l] += a * ROW(S, ld, i, l); p[l] += x * ROW(S, ld, i, l);
         }
     }
     UNROLL for (int l = 0; l < NV; l++) {
@@ -361,12 +366,10 @@ static void key_side(const problem *P, const scratch *W, int64_t bt0, int64_t h,
     }
 }
 
-/* One tile runs the block's len tokens from token index bt0 (in [B*T]) of sequence n. */
-static void run_block(const problem *P, const scratch *W, vf *S, int64_t n, int64_t bt0, int64_t h,
-                      int64_t j0, int64_t len)
+/* W->vw rows = w*v of the block's len tokens for the tile at column j0, zero-padded */
+static void load_vw(const problem *P, const scratch *W, int64_t bt0, int64_t h, int64_t j0, int64_t len)
 {
-    const int64_t K = P->K, V = P->V, G = P->G, Hv = P->Hv;
-    const int64_t tw = V - j0 < TILE ? V - j0 : TILE;
+    const int64_t V = P->V, Hv = P->Hv, tw = V - j0 < TILE ? V - j0 : TILE;
     for (int64_t s = 0; s < len; s++) {
         const int64_t th = (bt0 + s) * Hv + h;
         float *vw = W->vw + s * TILE;
@@ -383,31 +386,82 @@ static void run_block(const problem *P, const scratch *W, vf *S, int64_t n, int6
         for (int64_t j = tw; j < TILE; j++)
             vw[j] = 0.0f;
     }
+}
+
+/* Block token s's outputs o_g = scale (S'^T q_g + (q_g . k) u) for the tile at j0; p0 is
+ * the first query's read, further GQA queries read the old tile (rows S + i*ld) again. */
+static void write_outputs(const problem *P, const scratch *W, const float *S, int64_t ld, int64_t n,
+                          int64_t bt, int64_t s, int64_t h, int64_t j0, const vf p0[NV], const vf u[NV])
+{
+    const int64_t K = P->K, V = P->V, G = P->G, th = bt * P->Hv + h;
+    const int64_t tw = V - j0 < TILE ? V - j0 : TILE;
+    if (P->owner != NULL && P->owner[bt] != n)
+        return;
     const vf sc = splat(P->scale);
+    for (int64_t g = 0; g < G; g++) {
+        vf p[NV], res[NV];
+        if (g == 0)
+            UNROLL for (int l = 0; l < NV; l++) p[l] = p0[l];
+        else
+            read_tile(S, ld, W->eq + (s * G + g) * K, K, p);
+        const vf kq = splat(W->kq[s * G + g]);
+        UNROLL for (int l = 0; l < NV; l++) res[l] = sc * (p[l] + kq * u[l]);
+        narrow(P->o, (th * G + g) * V + j0, (const float *)res, tw, P->v_type);
+    }
+}
+
+/* One tile runs the block's len tokens from token index bt0 (in [B*T]) of sequence n. */
+static void run_block(const problem *P, const scratch *W, vf *S, int64_t n, int64_t bt0, int64_t h,
+                      int64_t j0, int64_t len)
+{
+    const int64_t K = P->K, G = P->G;
+    load_vw(P, W, bt0, h, j0, len);
     vf r[NV], p0[NV];                /* token s's reads: S'^T (b k) and S'^T q_0 */
-    read_tile2(S, W->eb, W->eq, K, r, p0);
+    read_tile2((const float *)S, TILE, W->eb, W->eq, K, r, p0);
     for (int64_t s = 0; s < len; s++) {
-        const int64_t bt = bt0 + s, th = bt * Hv + h;
         vf u[NV];
         UNROLL for (int l = 0; l < NV; l++) u[l] = ((const vf *)(W->vw + s * TILE))[l] - r[l];
-        if (P->owner == NULL || P->owner[bt] == n)
-            for (int64_t g = 0; g < G; g++) {
-                vf p[NV], res[NV];
-                if (g == 0)
-                    UNROLL for (int l = 0; l < NV; l++) p[l] = p0[l];
-                else                 /* further query heads of a GQA group, on the old state */
-                    read_tile(S, W->eq + (s * G + g) * K, K, p);
-                const vf kq = splat(W->kq[s * G + g]);
-                UNROLL for (int l = 0; l < NV; l++) res[l] = sc * (p[l] + kq * u[l]);
-                narrow(P->o, (th * G + g) * V + j0, (const float *)res, tw, P->v_type);
-            }
+        write_outputs(P, W, (const float *)S, TILE, n, bt0 + s, s, h, j0, p0, u);
         const float *kc = W->kc + s * K, *cd = W->cd + s * K;
         if (s + 1 < len && W->lazy[s])
             update_read(S, kc, u, W->eb + (s + 1) * K, W->eq + (s + 1) * G * K, K, r, p0);
         else {
             update(S, kc, cd, W->lazy[s], u, K);
             if (s + 1 < len)
-                read_tile2(S, W->eb + (s + 1) * K, W->eq + (s + 1) * G * K, K, r, p0);
+                read_tile2((const float *)S, TILE, W->eb + (s + 1) * K, W->eq + (s + 1) * G * K, K, r, p0);
+        }
+    }
+}
+
+/* Decode: one token from the state where it lies (rows of V contiguous floats, V a multiple
+ * of TILE) straight to the final state, S = D S0 + k u^T, without the tile buffer. */
+static void decode_task(const problem *P, const scratch *W, int64_t n, int64_t h)
+{
+    const int64_t K = P->K, V = P->V, T = P->T;
+    const int64_t bt = P->spans[5 * n] * T + P->spans[5 * n + 1];
+    const int64_t in = P->spans[5 * n + 3], out = P->spans[5 * n + 4];
+    const int64_t *st0 = P->s0_stride, *st = P->s_stride;
+    for (int64_t i = 0; i < K; i++)
+        W->c[i] = 1.0f;
+    key_side(P, W, bt, h, 1);
+    for (int64_t j0 = 0; j0 < V; j0 += TILE) {
+        const float *src = P->s0 + in * st0[0] + h * st0[1] + j0;
+        float *dst = P->s + out * st[0] + h * st[1] + j0;
+        vf r[NV], p0[NV], u[NV];
+        load_vw(P, W, bt, h, j0, 1);
+        read_tile2(src, st0[2], W->eb, W->eq, K, r, p0);
+        UNROLL for (int l = 0; l < NV; l++) u[l] = ((const vf *)W->vw)[l] - r[l];
+        write_outputs(P, W, src, st0[2], n, bt, 0, h, j0, p0, u);
+        const int stream_out = !P->in_place && ((uintptr_t)dst & 63) == 0 && (st[2] & (VEC - 1)) == 0;
+        for (int64_t i = 0; i < K; i++) {
+            const vf dd = splat(W->cd[i]), kk = splat(W->kb[i]);
+            UNROLL for (int l = 0; l < NV; l++) {
+                const vf x = dd * ROW(src, st0[2], i, l) + kk * u[l];
+                if (stream_out)
+                    stream(dst + i * st[2] + l * VEC, x);
+                else
+                    memcpy(dst + i * st[2] + l * VEC, &x, sizeof x);
+            }
         }
     }
 }
@@ -419,6 +473,11 @@ static void run_task(const problem *P, const scratch *W, int64_t n, int64_t h)
     const int64_t in = P->spans[5 * n + 3], out = P->spans[5 * n + 4];
     const int64_t tiles = (V + TILE - 1) / TILE;
 
+    if (end - start == 1 && in >= 0 && out >= 0 && V % TILE == 0
+            && P->s0_stride[3] == 1 && P->s_stride[3] == 1) {
+        decode_task(P, W, n, h);
+        return;
+    }
     for (int64_t x = 0; x < tiles; x++) {
         const int64_t j0 = x * TILE, tw = V - j0 < TILE ? V - j0 : TILE;
         for (int64_t i = 0; i < K; i++) {
