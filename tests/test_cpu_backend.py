@@ -41,7 +41,7 @@ def test_threads_do_not_change_a_bit(monkeypatch, layout):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_huge_page_outputs_are_written(monkeypatch, nan_poison, dtype):
     args = cases.make_inputs(dict(CASE, initial_state=False), dtype)
-    monkeypatch.setattr(cpu_backend, "HUGE_PAGE_BYTES", 0)             # every output from NumPy
+    monkeypatch.setattr(cpu_backend, "POOL_MIN_BYTES", 0)             # every output from NumPy
     o, state = deltarule.linear_attention(**args, backend="cpu")
     assert o.dtype == args["v"].dtype
     assert torch.isfinite(o).all() and torch.isfinite(state).all()
@@ -85,7 +85,7 @@ def test_strided_slab_is_updated_where_it_lies(layout):
 
 def test_output_pool_recycles_only_dropped_outputs(monkeypatch):
     args = cases.make_inputs(dict(CASE, initial_state=False))
-    monkeypatch.setattr(cpu_backend, "HUGE_PAGE_BYTES", 0)             # every output from the pool
+    monkeypatch.setattr(cpu_backend, "POOL_MIN_BYTES", 0)             # every output from the pool
     monkeypatch.setattr(cpu_backend, "_POOL", cpu_backend._OutputPool())
     o1, s1 = deltarule.linear_attention(**args, backend="cpu")
     kept = o1.clone()

@@ -29,10 +29,11 @@ NAME = "cpu"
 DESCRIPTION = "native V-tiled recurrence (C, OpenMP, AVX-512 where present)"
 SUPPORTS = dict(EVERYTHING, devices="CPU tensors")
 # Outputs of at least this many bytes come from `_POOL` (below): NumPy memory on
-# transparent huge pages, recycled once the caller drops the tensor, so the
-# first touch of a 32 MB output costs no page faults after the first call
-# (docs/performance.md).
-HUGE_PAGE_BYTES = 1 << 22
+# transparent huge pages, recycled once the caller drops the tensor, so they
+# cost no page faults after the first call (torch's allocator maps and unmaps
+# blocks this size: a fresh 1 MB decode state cost ~0.17 ms of faults, a
+# 32 MB prefill output ~25 ms; docs/performance.md).
+POOL_MIN_BYTES = 1 << 18
 # The pool keeps at most this many bytes of dropped outputs for reuse.
 POOL_BYTES = 1 << 30
 # Each extra thread is created per call (tens of microseconds), so a call gets
@@ -74,8 +75,10 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
             S = S.transpose(-1, -2)
     steps = sum(s.length + 1 for s in p.spans) * p.Hv * p.K * p.V
     threads = max(1, min(torch.get_num_threads(), steps // ELEMENT_STEPS_PER_THREAD))
+    # a fresh final state goes past the caches (decode B = 8 and 64: 1.5x faster than
+    # plain stores, B = 1 no slower); a slab row is read back by the next step
     cpu_recurrent.recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, owner, p.scale,
-                            p.l2norm_eps if p.qk_l2norm else None, threads)
+                            p.l2norm_eps if p.qk_l2norm else None, not p.in_place, threads)
 
     o = o.view(p.B, p.T, p.Ho, p.V)
     if p.in_place:
@@ -113,7 +116,7 @@ def _empty(shape, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
     """A new tensor; large ones from `_POOL`, NaN-filled like torch.empty where
     torch fills uninitialised memory."""
     count, size = math.prod(shape), dtype.itemsize
-    if count * size < HUGE_PAGE_BYTES:
+    if count * size < POOL_MIN_BYTES:
         return (torch.zeros if zero else torch.empty)(shape, dtype=dtype)
     x = _POOL.take(count * size).view(dtype).view(shape)
     if zero:

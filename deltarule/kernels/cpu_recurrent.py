@@ -23,7 +23,7 @@ class _Problem(ctypes.Structure):
                 + [(name, ctypes.c_int64) for name in ("N", "T", "Hv", "K", "V", "G", "rq", "rk")]
                 + [(name, ctypes.c_int64 * 4) for name in ("s0_stride", "s_stride")]
                 + [(name, ctypes.c_int) for name in ("b_form", "w_form", "qk_type", "v_type",
-                                                     "in_place", "qk_l2norm")]
+                                                     "stream_state", "qk_l2norm")]
                 + [(name, ctypes.c_float) for name in ("l2norm_eps", "scale")])
 
 
@@ -55,7 +55,7 @@ def _form(x: torch.Tensor | None, channel_dim: int) -> int:
 
 
 def recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, owner, scale: float, l2norm_eps: float | None,
-              threads: int) -> None:
+              stream_state: bool, threads: int) -> None:
     """Runs the recurrence; writes o and the final states.
 
     q [B, T, Hq', G, K], k [B, T, Hk, K] contiguous, one dtype of TYPES;
@@ -68,7 +68,8 @@ def recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, owner, scale: float, l2norm
     are indexed by the spans' slots; o [B, T, Hv, G, V] contiguous in v's dtype;
     spans [N, 5] int64 (row, start, end, initial slot or -1, final slot or -1);
     owner None | [B*T] int32: the span whose output a token keeps (-1: none);
-    l2norm_eps: None, or L2-normalise q and k rows (x / sqrt(sum x^2 + eps)) as they are read.
+    l2norm_eps: None, or L2-normalise q and k rows (x / sqrt(sum x^2 + eps)) as they are read;
+    stream_state: write S with streaming stores (past the caches; never for a slab in place).
     """
     B, T, Hv, V = v.shape
     K = k.shape[3]
@@ -80,6 +81,6 @@ def recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, owner, scale: float, l2norm
         spans.shape[0], T, Hv, K, V, q.shape[3], Hv // q.shape[2], Hv // k.shape[2],
         (ctypes.c_int64 * 4)(*s0.stride()), (ctypes.c_int64 * 4)(*S.stride()),
         _form(b, 4), _form(w, 4), TYPES[q.dtype], TYPES[v.dtype],
-        S0 is not None and S.data_ptr() == S0.data_ptr(), l2norm_eps is not None, 0.0 if l2norm_eps is None else l2norm_eps, scale)
+        stream_state, l2norm_eps is not None, 0.0 if l2norm_eps is None else l2norm_eps, scale)
     if _LIB.deltarule_recurrent(ctypes.byref(P), threads):
         raise MemoryError("deltarule cpu kernel: no memory for a thread's tile buffer")

@@ -121,7 +121,7 @@ typedef struct {
     int64_t s0_stride[4], s_stride[4];   /* in floats: slot, head, key, value */
     int b_form, w_form;
     int qk_type, v_type;
-    int in_place;                    /* s is s0 (a slab): plain stores */
+    int stream_state;                /* write s with streaming stores (a large fresh state) */
     int qk_l2norm;                   /* normalise staged q and k rows: x / sqrt(sum x^2 + l2norm_eps) */
     float l2norm_eps;
     float scale;
@@ -452,7 +452,7 @@ static void decode_task(const problem *P, const scratch *W, int64_t n, int64_t h
         read_tile2(src, st0[2], W->eb, W->eq, K, r, p0);
         UNROLL for (int l = 0; l < NV; l++) u[l] = ((const vf *)W->vw)[l] - r[l];
         write_outputs(P, W, src, st0[2], n, bt, 0, h, j0, p0, u);
-        const int stream_out = !P->in_place && ((uintptr_t)dst & 63) == 0 && (st[2] & (VEC - 1)) == 0;
+        const int stream_out = P->stream_state && ((uintptr_t)dst & 63) == 0 && (st[2] & (VEC - 1)) == 0;
         for (int64_t i = 0; i < K; i++) {
             const vf dd = splat(W->cd[i]), kk = splat(W->kb[i]);
             UNROLL for (int l = 0; l < NV; l++) {
@@ -510,7 +510,7 @@ static void run_task(const problem *P, const scratch *W, int64_t n, int64_t h)
                 const int64_t *st = P->s_stride;
                 const float *src = W->tiles + (x * K + i) * TILE, ci = W->c[i];
                 float *dst = P->s + out * st[0] + h * st[1] + i * st[2] + j0 * st[3];
-                if (st[3] == 1 && tw == TILE && ((uintptr_t)dst & 63) == 0 && !P->in_place) {
+                if (P->stream_state && st[3] == 1 && tw == TILE && ((uintptr_t)dst & 63) == 0) {
                     /* streaming stores: a fresh state is not read back soon, and
                      * they skip reading its old lines in first */
                     const vf cv = splat(ci);
