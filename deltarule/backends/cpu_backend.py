@@ -56,11 +56,7 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     q = p.q.contiguous().view(p.B, p.T, p.Hq // p.G, p.G, p.K)
     k = p.k.contiguous()
     v = p.v.contiguous()
-    g, gk = (None if x is None else x.contiguous() for x in _prepare.log_decays(p))  # exp in the kernel
-    b, w = _prepare.update_gates(p)
-    shared = w is b                                  # scalar beta: one gate, one copy
-    b = None if b is None else b.contiguous()
-    w = b if shared else (None if w is None else w.contiguous())
+    g, gk, b, w = _gates(p)
 
     spans, owner, covered = _span_table(p)
     o = _empty((p.B, p.T, p.Hv, p.G, p.V), v.dtype, zero=not covered)
@@ -84,6 +80,25 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     if p.in_place:
         return o, p.initial_state
     return o, S.transpose(-1, -2) if p.state_layout == "vk" else S
+
+
+def _gates(p: Problem):
+    """(g, gk, b, w) for the kernel, contiguous. The kernel takes exp(gk + g) itself and
+    reads per-channel gates in their own dtype; scalar gates, the raw-gate arm and
+    `beta_sigmoid` are applied here in float32 (`_prepare`)."""
+    f32 = torch.float32
+    if p.A_log is None:
+        g = None if p.g is None else p.g.to(f32)
+        gk = p.gk
+    else:
+        g, gk = _prepare.log_decays(p)
+    if p.retrieves and p.beta is None and not p.beta_sigmoid:
+        b, w = p.erase, p.write
+    else:
+        b, w = _prepare.update_gates(p)
+    same = w is b                                   # scalar beta: one gate
+    g, gk, b = (None if x is None else x.contiguous() for x in (g, gk, b))
+    return g, gk, b, b if same else (None if w is None else w.contiguous())
 
 
 def _span_table(p: Problem):

@@ -22,7 +22,8 @@ class _Problem(ctypes.Structure):
                                                       "spans", "owner")]
                 + [(name, ctypes.c_int64) for name in ("N", "T", "Hv", "K", "V", "G", "rq", "rk")]
                 + [(name, ctypes.c_int64 * 4) for name in ("s0_stride", "s_stride")]
-                + [(name, ctypes.c_int) for name in ("b_form", "w_form", "qk_type", "v_type",
+                + [(name, ctypes.c_int) for name in ("b_form", "w_form", "qk_type", "v_type", "gk_type",
+                                                     "b_type", "w_type",
                                                      "stream_state", "qk_l2norm")]
                 + [(name, ctypes.c_float) for name in ("l2norm_eps", "scale")])
 
@@ -48,6 +49,10 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
+def _type(x: torch.Tensor | None) -> int:
+    return 0 if x is None else TYPES[x.dtype]
+
+
 def _form(x: torch.Tensor | None, channel_dim: int) -> int:
     if x is None:
         return ABSENT
@@ -61,8 +66,10 @@ def recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, owner, scale: float, l2norm
     q [B, T, Hq', G, K], k [B, T, Hk, K] contiguous, one dtype of TYPES;
     v [B, T, Hv, V] contiguous, a dtype of TYPES (Hq' and Hk divide Hv; G
     query heads per state head);
-    g None | [B, T, Hv], gk None | [B, T, Hv, K]  log decays (the kernel takes exp(gk + g));
-    b None | [B, T, Hv] | [B, T, Hv, K]  erase; w None | [B, T, Hv] | [B, T, Hv, V]  write;
+    g None | [B, T, Hv] float32, gk None | [B, T, Hv, K] (a dtype of TYPES)  log decays
+    (the kernel takes exp(gk + g));
+    b None | [B, T, Hv] | [B, T, Hv, K]  erase; w None | [B, T, Hv] | [B, T, Hv, V]  write
+    (scalar forms float32, per-channel forms a dtype of TYPES);
     S0 [*, Hv, K, V] (any strides; None: every sequence starts from zeros) and
     S [*, Hv, K, V] (any strides; may be S0 itself, a slab updated in place)
     are indexed by the spans' slots; o [B, T, Hv, G, V] contiguous in v's dtype;
@@ -80,7 +87,7 @@ def recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, owner, scale: float, l2norm
         _ptr(spans), _ptr(owner),
         spans.shape[0], T, Hv, K, V, q.shape[3], Hv // q.shape[2], Hv // k.shape[2],
         (ctypes.c_int64 * 4)(*s0.stride()), (ctypes.c_int64 * 4)(*S.stride()),
-        _form(b, 4), _form(w, 4), TYPES[q.dtype], TYPES[v.dtype],
+        _form(b, 4), _form(w, 4), TYPES[q.dtype], TYPES[v.dtype], _type(gk), _type(b), _type(w),
         stream_state, l2norm_eps is not None, 0.0 if l2norm_eps is None else l2norm_eps, scale)
     if _LIB.deltarule_recurrent(ctypes.byref(P), threads):
         raise MemoryError("deltarule cpu kernel: no memory for a thread's tile buffer")

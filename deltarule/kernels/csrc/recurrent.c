@@ -109,9 +109,10 @@ static inline void narrow(void *x, int64_t off, const float *src, int64_t n, int
 
 typedef struct {
     const void *q, *k, *v;           /* [B, T, Hv/rq, G, K], [B, T, Hv/rk, K] (qk_type), [B, T, Hv, V] (v_type) */
-    const float *g, *gk;             /* log decays: NULL or [B, T, Hv] (g), NULL or [B, T, Hv, K] (gk) */
-    const float *b, *w;              /* erase, write: [B, T, Hv] or [B, T, Hv, K] (b),
-                                        [B, T, Hv, V] (w), by their forms */
+    const float *g;                  /* NULL or [B, T, Hv] scalar log decay */
+    const void *gk;                  /* NULL or [B, T, Hv, K] per-key log decay (gk_type) */
+    const void *b, *w;               /* erase, write: float32 [B, T, Hv], or [B, T, Hv, K] (b, b_type)
+                                        and [B, T, Hv, V] (w, w_type), by their forms */
     const float *s0;                 /* initial states [slot, Hv, K, V] at strides s0_stride */
     float *s;                        /* final states, strides s_stride (may be s0: a slab in place) */
     void *o;                         /* [B, T, Hv, G, V] (v_type) */
@@ -120,7 +121,7 @@ typedef struct {
     int64_t N, T, Hv, K, V, G, rq, rk;
     int64_t s0_stride[4], s_stride[4];   /* in floats: slot, head, key, value */
     int b_form, w_form;
-    int qk_type, v_type;
+    int qk_type, v_type, gk_type, b_type, w_type;
     int stream_state;                /* write s with streaming stores (a large fresh state) */
     int qk_l2norm;                   /* normalise staged q and k rows: x / sqrt(sum x^2 + l2norm_eps) */
     float l2norm_eps;
@@ -326,7 +327,8 @@ static void key_side(const problem *P, const scratch *W, int64_t bt0, int64_t h,
         float *cd = W->cd + s * K, *eb = W->eb + s * K, *kc = W->kc + s * K;
         const float gs = P->g ? P->g[th] : 0.0f;
         if (P->gk) {
-            exp_shifted(cd, P->gk + th * K, gs, K);
+            widen(cd, P->gk, th * K, K, P->gk_type);
+            exp_shifted(cd, cd, gs, K);
             for (int64_t i = 0; i < K; i++)
                 cd[i] *= c[i];
         } else {
@@ -339,11 +341,11 @@ static void key_side(const problem *P, const scratch *W, int64_t bt0, int64_t h,
             outside |= !(cd[i] >= LAZY_FLOOR && cd[i] <= 1.0f / LAZY_FLOOR);
         W->lazy[s] = !outside;
         if (P->b_form == CHANNEL) {
-            const float *bt = P->b + th * K;
+            widen(eb, P->b, th * K, K, P->b_type);
             for (int64_t i = 0; i < K; i++)
-                eb[i] = cd[i] * bt[i] * kt[i];
+                eb[i] *= cd[i] * kt[i];
         } else {
-            const float bs = P->b_form == SCALAR ? P->b[th] : 0.0f;
+            const float bs = P->b_form == SCALAR ? ((const float *)P->b)[th] : 0.0f;
             for (int64_t i = 0; i < K; i++)
                 eb[i] = cd[i] * bs * kt[i];
         }
@@ -375,11 +377,12 @@ static void load_vw(const problem *P, const scratch *W, int64_t bt0, int64_t h, 
         float *vw = W->vw + s * TILE;
         widen(vw, P->v, th * V + j0, tw, P->v_type);
         if (P->w_form == CHANNEL) {
-            const float *wt = P->w + th * V + j0;
+            float wt[TILE];
+            widen(wt, P->w, th * V + j0, tw, P->w_type);
             for (int64_t j = 0; j < tw; j++)
                 vw[j] *= wt[j];
         } else if (P->w_form == SCALAR) {
-            const float ws = P->w[th];
+            const float ws = ((const float *)P->w)[th];
             for (int64_t j = 0; j < tw; j++)
                 vw[j] *= ws;
         }
