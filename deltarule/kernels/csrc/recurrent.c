@@ -75,7 +75,12 @@ static inline void widen(float *dst, const void *x, int64_t off, int64_t n, int 
         memcpy(dst, (const float *)x + off, sizeof(float) * n);
     else if (type == F16) {
         const _Float16 *src = (const _Float16 *)x + off;
-        for (int64_t i = 0; i < n; i++)
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + VEC <= n; i += VEC)
+            _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+#endif
+        for (; i < n; i++)
             dst[i] = (float)src[i];
     } else {
         const uint16_t *src = (const uint16_t *)x + off;
@@ -93,7 +98,13 @@ static inline void narrow(void *x, int64_t off, const float *src, int64_t n, int
         memcpy((float *)x + off, src, sizeof(float) * n);
     else if (type == F16) {
         _Float16 *dst = (_Float16 *)x + off;
-        for (int64_t i = 0; i < n; i++)
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + VEC <= n; i += VEC)
+            _mm256_storeu_si256((__m256i *)(dst + i),
+                                _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+        for (; i < n; i++)
             dst[i] = (_Float16)src[i];
     } else {
         uint16_t *dst = (uint16_t *)x + off;
