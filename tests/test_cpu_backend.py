@@ -142,3 +142,41 @@ def test_single_token_decode_on_a_slab(layout):
     assert out is slab
     assert rel(o, want_o) < 5e-5 and rel(slab, want_s) < 5e-5
     assert torch.equal(slab[[1, 3]], before[[1, 3]]) and torch.equal(o[1], torch.zeros_like(o[1]))
+
+
+def test_concurrent_calls_and_a_forked_child(monkeypatch):
+    """The kernel keeps its helper threads between calls: calls from several Python
+    threads at once (one uses the helpers, the others run alone) and a child forked
+    after the helpers exist (it starts with none) still compute the right thing."""
+    import concurrent.futures
+    import os
+    import select
+    import signal
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(cpu_backend, "ELEMENT_STEPS_PER_THREAD", 1)
+    args = cases.make_inputs(CASE)
+    want_o, want_s = expected(args)
+    deltarule.linear_attention(**args, backend="cpu")              # the helpers exist from here on
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: deltarule.linear_attention(**args, backend="cpu"), range(8)))
+    for o, state in results:
+        assert rel(o, want_o) < 5e-5 and rel(state, want_s) < 5e-5
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                                   # the child: report, never return
+        try:
+            torch.set_num_threads(1)                               # GNU OpenMP does not survive fork
+            o, state = deltarule.linear_attention(**args, backend="cpu")
+            ok = rel(o, want_o) < 5e-5 and rel(state, want_s) < 5e-5
+            os.write(write_end, b"ok" if ok else b"wrong")
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    ready, _, _ = select.select([read_end], [], [], 120)
+    answer = os.read(read_end, 16) if ready else b"no answer in 120 s"
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os.close(read_end)
+    assert answer == b"ok", answer
