@@ -80,13 +80,12 @@ def recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, owner, scale: float, l2norm
     """
     B, T, Hv, V = v.shape
     K = k.shape[3]
-    zero = torch.zeros(1, 1, 1, 1)
-    s0 = S0 if S0 is not None else zero
+    s0_stride = S0.stride() if S0 is not None else (0, 0, 0, 0)   # never read without S0
     P = _Problem(
         _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(gk), _ptr(b), _ptr(w), _ptr(S0), _ptr(S), _ptr(o),
         _ptr(spans), _ptr(owner),
         spans.shape[0], T, Hv, K, V, q.shape[3], Hv // q.shape[2], Hv // k.shape[2],
-        (ctypes.c_int64 * 4)(*s0.stride()), (ctypes.c_int64 * 4)(*S.stride()),
+        (ctypes.c_int64 * 4)(*s0_stride), (ctypes.c_int64 * 4)(*S.stride()),
         _form(b, 4), _form(w, 4), TYPES[q.dtype], TYPES[v.dtype], _type(gk), _type(b), _type(w),
         stream_state, l2norm_eps is not None, 0.0 if l2norm_eps is None else l2norm_eps, scale)
     if _LIB.deltarule_recurrent(ctypes.byref(P), threads):
