@@ -40,52 +40,62 @@ STRIDES = ("s0_n", "s0_h", "s0_k", "s0_v", "s_n", "s_h", "s_k", "s_v")
 
 
 def variants(K: int, V: int, dt: str):
-    """(kernel label, jit function, constexprs) for every gate form the backend launches."""
+    """(kernel label, jit function, constexprs) for every gate form the backend launches; the
+    fused preprocessing (raw-gate arm, beta_sigmoid, qk_l2norm) is on in one variant of each
+    kernel (Qwen3-Next's call) and off in the others."""
     BK = max(16, triton.next_power_of_2(K))
     BV = min(64, max(16, triton.next_power_of_2(V)))
     rec_BK, rec_BV = triton.next_power_of_2(K), min(64, triton.next_power_of_2(V))
     chunk = dict(BT=tc.CHUNK, BK=BK)
     LEVELS = (tc.CHUNK // tc.SUB).bit_length() - 1
-    out = [("cumsum", tc._cumsum_kernel, dict(chunk, VARLEN=False, seq=None, chunks=None)),
-           ("cumsum varlen", tc._cumsum_kernel, dict(chunk, VARLEN=True))]
+    plain = dict(RAW=False, A=None, dtb=None)
+    fused = dict(RAW=True)
+    out = [("cumsum g+gk", tc._cumsum_kernel, dict(chunk, VARLEN=False, HAS_G=True, **plain, seq=None, chunks=None)),
+           ("cumsum raw varlen", tc._cumsum_kernel, dict(chunk, VARLEN=True, HAS_G=False, g=None, **fused))]
     for per_key in (False, True):
+        decay = dict(HAS_DECAY=True, DECAY_PER_KEY=per_key, **({} if per_key else {"gc": None}))
         for erase_pk in (False, True):
-            out.append((f"intra decay={'gk' if per_key else 'g'} {'erase/write' if erase_pk else 'beta'}",
+            pre = plain if erase_pk else fused           # beta: Qwen3-Next's call, everything fused
+            out.append((f"intra decay={'gk' if per_key else 'g'} {'erase/write' if erase_pk else 'beta fused'}",
                         tc._intra_kernel,
-                        dict(chunk, HAS_DECAY=True, DECAY_PER_KEY=per_key, ERASE_PER_KEY=erase_pk,
-                             WRITE_PER_VALUE=erase_pk, BC=tc.SUB, LEVELS=LEVELS, BV=BV, VARLEN=erase_pk,
-                             **({} if per_key else {"gc": None}), **({} if erase_pk else NO_SEQ))))
-        for has_index in (False, True):         # the slab variant also varlen
-            out.append((f"state decay={'gk' if per_key else 'g'} {'slab varlen' if has_index else 'state'}",
+                        dict(chunk, **decay, **pre, ERASE_PER_KEY=erase_pk, WRITE_PER_VALUE=erase_pk,
+                             SIGMOID=not erase_pk, L2NORM=not erase_pk,
+                             BC=tc.SUB, LEVELS=LEVELS, BV=BV, VARLEN=erase_pk, **({} if erase_pk else NO_SEQ))))
+        for has_index in (False, True):         # the slab variant also varlen and fused
+            out.append((f"state decay={'gk' if per_key else 'g'} {'slab varlen fused' if has_index else 'state'}",
                         tc._state_kernel,
-                        dict(chunk, HAS_DECAY=True, DECAY_PER_KEY=per_key, HAS_ERASE=True, HAS_INIT=True,
-                             HAS_INDEX=has_index, BV=BV, VARLEN=has_index, **({} if per_key else {"gc": None}),
+                        dict(chunk, **decay, **(fused if has_index else plain), L2NORM=has_index,
+                             HAS_ERASE=True, HAS_INIT=True, HAS_INDEX=has_index, BV=BV, VARLEN=has_index,
                              **({} if has_index else {"idx": None, "seq": None}))))
         for varlen in (False, True):
-            out.append((f"output decay={'gk' if per_key else 'g'} G=2{' varlen' if varlen else ''}", tc._output_kernel,
-                        dict(chunk, G=2, HAS_DECAY=True, DECAY_PER_KEY=per_key, BC=tc.SUB, BV=BV, VARLEN=varlen,
-                             **({} if per_key else {"gc": None}), **({} if varlen else NO_SEQ))))
+            out.append((f"output decay={'gk' if per_key else 'g'} G=2{' varlen fused' if varlen else ''}",
+                        tc._output_kernel,
+                        dict(chunk, G=2, **decay, **(fused if varlen else plain), L2NORM=varlen,
+                             BC=tc.SUB, BV=BV, VARLEN=varlen, **({} if varlen else NO_SEQ))))
         for erase_pk in (False, True):
-            out.append((f"recurrent decay={'gk' if per_key else 'g'} {'erase/write' if erase_pk else 'beta'} slab"
-                        f"{' varlen' if erase_pk else ''}",
+            out.append((f"recurrent decay={'gk' if per_key else 'g'} {'erase/write' if erase_pk else 'beta fused'} "
+                        f"slab{' varlen' if erase_pk else ''}",
                         tr._recurrent_kernel,
                         dict(G=1, HAS_INIT=True, HAS_INDEX=True, VARLEN=erase_pk, **({} if erase_pk else {"seq": None}),
-                             HAS_DECAY=True, DECAY_PER_KEY=per_key,
+                             HAS_G=not per_key, HAS_GK=per_key, **({"g": None} if per_key else {"gk": None}),
+                             **(plain if erase_pk else fused), SIGMOID=not erase_pk, L2NORM=not erase_pk,
                              HAS_ERASE=True, ERASE_PER_KEY=erase_pk, HAS_WRITE=True, WRITE_PER_VALUE=erase_pk,
                              BK=rec_BK, BV=rec_BV)))
     out.append(("intra no decay beta", tc._intra_kernel,
-                dict(chunk, HAS_DECAY=False, DECAY_PER_KEY=False, ERASE_PER_KEY=False, WRITE_PER_VALUE=False,
-                     BC=tc.SUB, LEVELS=LEVELS, BV=BV, lam=None, gc=None, VARLEN=False, **NO_SEQ)))
+                dict(chunk, HAS_DECAY=False, DECAY_PER_KEY=False, **plain, ERASE_PER_KEY=False, WRITE_PER_VALUE=False,
+                     SIGMOID=False, L2NORM=False, BC=tc.SUB, LEVELS=LEVELS, BV=BV, g=None, gc=None, VARLEN=False,
+                     **NO_SEQ)))
     out.append(("state linear (no decay, no erase)", tc._state_kernel,
-                dict(chunk, HAS_DECAY=False, DECAY_PER_KEY=False, HAS_ERASE=False, HAS_INIT=False,
-                     HAS_INDEX=False, BV=BV, lam=None, gc=None, y=None, S0=None, idx=None, VARLEN=False, seq=None)))
+                dict(chunk, HAS_DECAY=False, DECAY_PER_KEY=False, **plain, HAS_ERASE=False, L2NORM=False,
+                     HAS_INIT=False, HAS_INDEX=False, BV=BV, g=None, gc=None, y=None, S0=None, idx=None,
+                     VARLEN=False, seq=None)))
     return out
 
 
 def compile_one(fn, consts: dict, dt: str, target, num_warps: int):
     types = {n: "i32" for n in INTS}
     types.update({n: "i64" for n in STRIDES})
-    types.update(scale="fp32", idx="*i64")
+    types.update(scale="fp32", eps="fp32", idx="*i64")
     for n in ("q", "k", "v"):
         types[n] = "*" + dt
     missing = [n for n, p in zip(fn.arg_names, fn.params) if p.is_constexpr and n not in consts]

@@ -28,6 +28,38 @@ def case_params(filter_=lambda case: True, dtypes=None):
     ]
 
 
+def case_id(case: dict) -> str:
+    """Readable ids like `B2-T65-Hq4-Hv8-K36-V20-gk-erase_write-raw_gate`."""
+    parts = [f"B{case['B']}", f"T{case['T']}"]
+    if case["Hq"] == case["Hk"] == case["Hv"]:
+        parts.append(f"H{case['Hv']}")
+    else:
+        parts += [f"Hq{case['Hq']}"] + ([f"Hk{case['Hk']}"] if case["Hk"] != case["Hq"] else []) \
+            + [f"Hv{case['Hv']}"]
+    parts.append(f"K{case['K']}" + (f"-V{case['V']}" if case["V"] != case["K"] else ""))
+    if case.get("rule", "gated_delta") != "gated_delta":
+        parts.append(case["rule"])
+    for key in ("decay", "update"):
+        if case.get(key) is not None:
+            parts.append(case[key])
+    if case.get("decay_range") is not None:
+        parts.append("decay{:g}..{:g}".format(*case["decay_range"]))
+    for key in ("cu_seqlens", "seq_lens", "state_indices"):
+        if case.get(key) is not None:
+            parts.append(key + "=" + ",".join(map(str, case[key])))
+    parts += [flag for flag in ("qk_l2norm", "raw_gate", "beta_sigmoid") if case.get(flag)]
+    if case.get("initial_state"):
+        parts.append("state-" + case.get("state_layout", "kv"))
+    elif case.get("state_layout") == "vk":
+        parts.append("vk")
+    return "-".join(parts)
+
+
+def params(*case_list):
+    """pytest params of test.json-style case dicts, with `case_id` ids."""
+    return [pytest.param(c, id=case_id(c)) for c in case_list]
+
+
 def rel(x, ref) -> float:
     """||x - ref|| / ||ref|| in float64, NumPy or torch; same shapes; a zero ref is a test bug."""
     x = x.detach().double().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)

@@ -9,16 +9,19 @@ stay tiny: the interpreter runs one numpy op per Triton op per program per token
 
 import pytest
 
-from conftest import err, require_triton
+from conftest import case_id, err, require_triton
 
 require_triton()
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import deltarule  # noqa: E402
 from deltarule import cases  # noqa: E402
 from deltarule.backends import triton_backend  # noqa: E402
 from deltarule.check import expected  # noqa: E402
+from deltarule.kernels import triton_common  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -85,6 +88,41 @@ def test_gates(rule, decay, update):
     check(cases.make_inputs(case, "float32", DEVICE), TOL["float32"])
 
 
+@pytest.mark.parametrize("case,dtype", [
+    pytest.param(c, d, id=f"{case_id(c)}-{d}") for c, d in [
+        (small(raw_gate=True, beta_sigmoid=True, qk_l2norm=True, initial_state=True), "float32"),
+        (small(decay="gk", update="erase_write", raw_gate=True, beta_sigmoid=True, K=20), "float32"),
+        (small(Hq=4, Hk=2, Hv=2, raw_gate=True, qk_l2norm=True), "bfloat16"),                # GQA
+        (small(B=3, T=1, Hq=2, Hk=2, Hv=4, raw_gate=True, beta_sigmoid=True, qk_l2norm=True,   # Qwen3-Next decode
+               initial_state=True, state_indices=[1, -1, 0], num_slots=3), "bfloat16"),
+        # clamped cu_seqlens whose spans overlap run packed: the empty request must keep its state
+        # (a zero raw gate is no identity step: -exp(A_log) softplus(dt_bias) < 0)
+        (small(B=1, T=12, cu_seqlens=[0, 8, 4, 12], decay="gk", raw_gate=True, initial_state=True), "float32"),
+    ]])
+def test_fused_preprocessing(case, dtype):
+    """The raw-gate arm, beta_sigmoid and qk_l2norm applied inside the kernel, as loaded."""
+    args = cases.make_inputs(case, dtype, DEVICE)
+    before = None if args.get("initial_state") is None else args["initial_state"].clone()
+    _, state = check(args, TOL[dtype])
+    if case.get("cu_seqlens") == [0, 8, 4, 12]:
+        assert torch.equal(state[1], before[1])
+
+
+@triton.jit
+def _softplus_kernel(x, y, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(y + o, triton_common.softplus(tl.load(x + o)))
+
+
+def test_softplus_accuracy():
+    """log(1 + exp(x)) in float32 to a few ulp from -80 (exp(x) ~ 1e-35) to 60 (x itself)."""
+    x = torch.linspace(-80, 60, 512, dtype=torch.float32, device=DEVICE)
+    y = torch.full_like(x, float("nan"))
+    _softplus_kernel[(1,)](x, y, N=512)
+    ref = torch.nn.functional.softplus(x.double())
+    assert ((y.double() - ref).abs() / ref).max().item() < 1e-6
+
+
 @pytest.mark.parametrize("heads", [
     dict(Hq=2, Hk=2, Hv=4),     # GVA: state head h reads key / query head h // 2
     dict(Hq=1, Hk=1, Hv=3),
@@ -131,7 +169,7 @@ def test_slab_updated_where_it_lies(monkeypatch):
     kernel = triton_recurrent.recurrent
 
     def spy(*a, **kw):
-        seen.append((a[6], kw.get("state_indices"), kw.get("spans")))
+        seen.append((a[7], kw.get("state_indices"), kw.get("spans")))
         return kernel(*a, **kw)
 
     monkeypatch.setattr(triton_recurrent, "recurrent", spy)
@@ -176,7 +214,8 @@ def test_longer_prefill_runs_chunked(monkeypatch, over):
 
 @pytest.mark.parametrize("cu,spans", [
     ([0, 3, 140, 141], [(0, 3), (3, 137), (140, 1)]),       # unequal: unpacked, no padding to 137
-    ([0, 100, 90, 141], None),                               # a decreasing entry: overlapping spans, packed
+    # a decreasing entry: overlapping spans, packed into rows of L = 100, each run for its length
+    ([0, 100, 90, 141], [(0, 100), (100, 0), (200, 51)]),
 ])
 def test_varlen_unpacked_unless_spans_overlap(monkeypatch, cu, spans):
     from deltarule.kernels import triton_chunked

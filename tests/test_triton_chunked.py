@@ -12,7 +12,7 @@ per Triton op per program.
 
 import pytest
 
-from conftest import err, require_triton
+from conftest import case_id, err, params, require_triton
 
 require_triton()
 
@@ -37,33 +37,34 @@ TOL = {"float32": 5e-5, "float16": 1e-2, "bfloat16": 1e-2}
 def run_chunked(args: dict, mode: str = "backend"):
     """The chunked kernels on `args`, through the backend's operand preparation.
 
-    "backend": as the backend calls them: varlen / ragged / padded batches unpacked (spans of
-    the flat token axis) when disjoint, the initial state read where it lies (any layout; a
-    slab updated in place at `state_indices`). "packed": sequences packed into [N, L] by
-    `_prepare.pack` (the path for overlapping spans), state where it lies. "gathered": packed,
-    from a gathered K-major copy S0 that the kernels update in place (S = S0).
+    "backend": as the backend lays the call out (`token_layout`): varlen / ragged / padded
+    batches unpacked (spans of the flat token axis) when disjoint, the initial state read where
+    it lies (any layout; a slab updated in place at `state_indices`). "packed": sequences
+    packed into [N, L] rows (the path for overlapping spans), each run for its own length,
+    state where it lies. "gathered": packed, from a gathered K-major copy S0 that the kernels
+    update in place (S = S0).
     """
     p = deltarule.validate(**args)
     assert chunked_supported(p) is None
-    identity = not p.varlen and all(s.slot >= 0 for s in p.spans)
-    flat = None if identity or mode != "backend" else triton_backend.flat_spans(p)
-    pk = _prepare.Packing(L=p.T, identity=True) if flat is not None else _prepare.pack(p)
+    pk, seqs = triton_backend.token_layout(p, packed=mode != "backend")
+    x = _prepare.raw_operands(p, pk)
+    fused = dict(A_log=p.A_log, dt_bias=p.dt_bias, beta_sigmoid=p.beta_sigmoid,
+                 l2norm_eps=p.l2norm_eps if p.qk_l2norm else None,
+                 spans=None if seqs is None else [(a, n) for a, n, _ in seqs])
     if mode == "gathered":
-        x = _prepare.operands(p, pk)
+        S0 = _prepare.initial_states(p)
         owned = p.initial_state is None or \
-            x.S0.untyped_storage().data_ptr() != p.initial_state.untyped_storage().data_ptr()
-        o, S = triton_chunked.chunked(x.q, x.k, x.v, x.lam, x.b, x.w, x.S0, p.scale,
-                                      S=x.S0 if owned else None)
+            S0.untyped_storage().data_ptr() != p.initial_state.untyped_storage().data_ptr()
+        o, S = triton_chunked.chunked(x.q, x.k, x.v, x.g, x.gk, x.b, x.w, S0, p.scale,
+                                      S=S0 if owned else None, **fused)
         assert o.dtype == torch.float32 and S.dtype == torch.float32
         return _prepare.finish(p, pk, o, S)
-    x = _prepare.operands(p, pk, gather_states=False)
-    seqs = flat if flat is not None else [(None, None, s.slot) for s in p.spans]
     idx = None
     if p.in_place:
-        idx = torch.tensor([slot for _, _, slot in seqs], dtype=torch.int64, device=p.device)
-    o, S = triton_chunked.chunked(x.q, x.k, x.v, x.lam, x.b, x.w, p.initial_state, p.scale,
-                                  state_indices=idx, state_layout=p.state_layout,
-                                  spans=None if flat is None else [(a, n) for a, n, _ in flat])
+        slots = [slot for _, _, slot in seqs] if seqs is not None else [s.slot for s in p.spans]
+        idx = torch.tensor(slots, dtype=torch.int64, device=p.device)
+    o, S = triton_chunked.chunked(x.q, x.k, x.v, x.g, x.gk, x.b, x.w, p.initial_state, p.scale,
+                                  state_indices=idx, state_layout=p.state_layout, **fused)
     assert o.dtype == torch.float32 and S.dtype == torch.float32
     if p.in_place:
         assert S is p.initial_state
@@ -86,34 +87,6 @@ def small(**over) -> dict:
     case = dict(name="small", seed=200, B=1, T=65, Hq=1, Hk=1, Hv=1, K=16, V=16, rule="gated_delta")
     case.update(over)
     return case
-
-
-def case_id(case: dict) -> str:
-    """Readable ids like `B2-T65-Hq4-Hv8-K36-gk-beta`."""
-    parts = [f"B{case['B']}", f"T{case['T']}"]
-    if case["Hq"] == case["Hk"] == case["Hv"]:
-        parts.append(f"H{case['Hv']}")
-    else:
-        parts += [f"Hq{case['Hq']}"] + ([f"Hk{case['Hk']}"] if case["Hk"] != case["Hq"] else []) \
-            + [f"Hv{case['Hv']}"]
-    parts.append(f"K{case['K']}" + (f"-V{case['V']}" if case["V"] != case["K"] else ""))
-    if case.get("rule", "gated_delta") != "gated_delta":
-        parts.append(case["rule"])
-    for key in ("decay", "update"):
-        if case.get(key) is not None:
-            parts.append(case[key])
-    if case.get("decay_range") is not None:
-        parts.append("decay{:g}..{:g}".format(*case["decay_range"]))
-    for key in ("cu_seqlens", "seq_lens", "state_indices"):
-        if case.get(key) is not None:
-            parts.append(key + "=" + ",".join(map(str, case[key])))
-    if case.get("initial_state"):
-        parts.append("state-" + case.get("state_layout", "kv"))
-    return "-".join(parts)
-
-
-def params(*case_list):
-    return [pytest.param(c, id=case_id(c)) for c in case_list]
 
 
 # float32 only: the half-precision inputs are covered by the tests below (and by
@@ -200,6 +173,26 @@ def test_in_place_state_buffer():
 def test_per_channel_gates(case):
     """Per-key decay (alone, with scalar g, without retrieval) and GDN-2 erase / write gates."""
     check(cases.make_inputs(case, "float32", DEVICE), TOL["float32"])
+
+
+@pytest.mark.parametrize("case,dtype", [
+    pytest.param(c, d, id=f"{case_id(c)}-{d}") for c, d in [
+        (small(T=130, K=36, V=20, raw_gate=True, beta_sigmoid=True, qk_l2norm=True, initial_state=True), "float32"),
+        (small(T=70, K=36, V=20, decay="gk", update="erase_write", raw_gate=True, beta_sigmoid=True,
+               qk_l2norm=True, initial_state=True), "float32"),                                  # GDN-2, raw
+        (small(B=1, T=65, Hq=4, Hk=2, Hv=2, K=32, V=16, decay="gk", raw_gate=True, qk_l2norm=True), "bfloat16"),
+        # overlapping clamped spans run packed: each row only for its own length (60 of 100 here)
+        (small(T=150, cu_seqlens=[0, 100, 90, 150], K=20, V=20, decay="gk", raw_gate=True,
+               beta_sigmoid=True, initial_state=True), "float32"),
+    ]])
+def test_fused_preprocessing(case, dtype):
+    """The raw-gate arm (cumsum kernel or scalar loads), beta_sigmoid and qk_l2norm on every q / k
+    load, inside the chunked kernels."""
+    args = cases.make_inputs(case, dtype, DEVICE)
+    p = deltarule.validate(**args)
+    if case.get("cu_seqlens") is not None:
+        assert triton_backend.flat_spans(p) is None         # packed: the path this case is for
+    check(args, TOL[dtype])
 
 
 @pytest.mark.parametrize("case,dtype", [
@@ -309,12 +302,16 @@ def test_every_gate_form_accepted(over):
 
 
 def test_kernel_refuses_mismatched_gates():
-    """A scalar erase gate with a per-value write gate is not an operand form `_prepare` makes."""
-    args = cases.make_inputs(small(update="erase_write"), "float32", DEVICE)
+    """A scalar erase gate with a per-value write gate, or a raw gate beside both decays, is not
+    an operand form the backend makes."""
+    args = cases.make_inputs(small(update="erase_write", decay="g+gk"), "float32", DEVICE)
     p = deltarule.validate(**args)
-    x = _prepare.operands(p, _prepare.pack(p))
+    x = _prepare.raw_operands(p, _prepare.pack(p))
     with pytest.raises(ValueError, match="erase"):
-        triton_chunked.chunked(x.q, x.k, x.v, x.lam, x.b[..., 0], x.w, x.S0, p.scale)
+        triton_chunked.chunked(x.q, x.k, x.v, x.g, x.gk, x.b[..., 0], x.w, None, p.scale)
+    A_log = torch.zeros(p.Hv)
+    with pytest.raises(ValueError, match="A_log"):
+        triton_chunked.chunked(x.q, x.k, x.v, x.g, x.gk, x.b, x.w, None, p.scale, A_log=A_log, dt_bias=A_log)
 
 
 @triton.jit

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import err
+from conftest import case_id, err
 
 from deltarule.kernels.wgsl import _device
 
@@ -45,17 +45,6 @@ def small(**over) -> dict:
     case = dict(name="small", seed=200, B=2, T=5, Hq=2, Hk=2, Hv=2, K=16, V=24, rule="gated_delta")
     case.update(over)
     return case
-
-
-def case_id(c: dict) -> str:
-    """Readable ids like `B2-T65-Hq4-Hv8-K100-gk`."""
-    heads = f"H{c['Hv']}" if c["Hq"] == c["Hv"] else f"Hq{c['Hq']}-Hv{c['Hv']}"
-    extra = [c.get("decay", ""), c.get("update", "")]
-    extra += [n for n in ("cu_seqlens", "seq_lens", "state_indices", "qk_l2norm", "raw_gate", "beta_sigmoid")
-              if c.get(n) is not None and c.get(n) is not False]
-    if c.get("state_layout") == "vk":
-        extra.append("vk")
-    return "-".join([f"B{c['B']}-T{c['T']}-{heads}-K{c['K']}-V{c['V']}", c["rule"], *filter(None, extra)])
 
 
 @pytest.fixture

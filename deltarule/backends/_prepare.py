@@ -148,6 +148,34 @@ def operands(p: Problem, pk: Packing, gather_states: bool = True) -> Operands:
                     w=bs if w is b else seq(w), S0=initial_states(p) if gather_states else None)
 
 
+@dataclass
+class RawOperands:
+    """The operands as given, token-major, for kernels that fuse the preprocessing
+    (raw-gate arm, `beta_sigmoid`, `qk_l2norm`) themselves: q [N, L, Hq/G, G, K],
+    k [N, L, Hk, K], v [N, L, Hv, V], g [N, L, Hv], gk [N, L, Hv, K], b (beta or erase),
+    w (beta, b itself, or write), each None when absent, all in their input dtype."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor | None
+    gk: torch.Tensor | None
+    b: torch.Tensor | None
+    w: torch.Tensor | None
+
+
+def raw_operands(p: Problem, pk: Packing) -> RawOperands:
+    """`RawOperands` of `p`, packed by `pk` (masked steps zeroed; a kernel that takes them
+    must not run steps past a sequence's length: a zero raw gate is not an identity step)."""
+    G = p.G
+    seq = lambda x: None if x is None else _to_sequences(x, pk, p.B, p.T)  # noqa: E731
+    qs = seq(p.q.reshape(p.B, p.T, p.Hq // G, G * p.K))
+    b = p.beta if p.beta is not None else p.erase
+    bs = seq(b)
+    return RawOperands(q=qs.view(*qs.shape[:3], G, p.K), k=seq(p.k), v=seq(p.v), g=seq(p.g), gk=seq(p.gk),
+                       b=bs, w=bs if p.beta is not None else seq(p.write))
+
+
 def initial_states(p: Problem) -> torch.Tensor:
     """[N, Hv, K, V] float32 K-major starting states (zeros for padding / no state)."""
     shape = (p.N, p.Hv, p.K, p.V)

@@ -8,7 +8,9 @@ address each sequence's span of the [B * T] token axis (chunk indices
 computed once on the host), so a long sequence beside short ones costs no
 padding. Both read the initial state where it lies (any
 layout, strided) and, with `state_indices`, update the slab rows in place
-(a negative index: the row is never touched, the output is zero).
+(a negative index: the row is never touched, the output is zero). The
+kernels take the operands as given and fuse the preprocessing: the raw-gate
+arm, `beta_sigmoid` and `qk_l2norm`.
 Runs on CPU tensors under `TRITON_INTERPRET=1` (for tests), which must be set
 before the first call imports the kernel module.
 """
@@ -68,25 +70,44 @@ def flat_spans(p: Problem) -> list[tuple[int, int, int]] | None:
     return kept
 
 
+def token_layout(p: Problem, packed: bool = False) -> tuple[_prepare.Packing, list | None]:
+    """(packing, sequences) of a call: sequences None when they are the rows of [B, T],
+    else (first token, length, slot) per sequence in the kernels' flat token axis.
+
+    Varlen / ragged / padded batches with disjoint spans run unpacked: the kernels address
+    the spans of the [B * T] token axis (chunk indices computed once). Clamped cu_seqlens
+    whose spans overlap (or `packed`) are packed into [N, L] rows, each run for its own
+    length only: the kernels fuse the raw-gate arm, so a padded step would not be identity.
+    """
+    identity = not p.varlen and all(s.slot >= 0 for s in p.spans)
+    if identity and not packed:
+        return _prepare.Packing(L=p.T, identity=True), None
+    flat = None if packed else flat_spans(p)
+    if flat is not None:
+        return _prepare.Packing(L=p.T, identity=True), flat
+    pk = _prepare.pack(p)
+    if pk.identity:
+        return pk, None
+    return pk, [(n * pk.L, max(s.length, 0), s.slot) for n, s in enumerate(p.spans)]
+
+
 def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     from ..kernels.triton_recurrent import recurrent
 
-    identity = not p.varlen and all(s.slot >= 0 for s in p.spans)
-    flat = None if identity else flat_spans(p)
-    # varlen / ragged / padded batches with disjoint spans: no packing, the kernels address the
-    # spans of the [B * T] token axis (chunk indices computed once); else packed [N, L]
-    pk = _prepare.Packing(L=p.T, identity=True) if flat is not None else _prepare.pack(p)
-    x = _prepare.operands(p, pk, gather_states=False)     # the kernels read the states where they lie
-    seqs = flat if flat is not None else [(None, None, s.slot) for s in p.spans]
+    pk, seqs = token_layout(p)
+    x = _prepare.raw_operands(p, pk)
     idx = None
     if p.in_place:                                        # slab rows, -1 for padding: updated in place
-        idx = torch.tensor([slot for _, _, slot in seqs], dtype=torch.int64, device=p.device)
+        slots = [slot for _, _, slot in seqs] if seqs is not None else [s.slot for s in p.spans]
+        idx = torch.tensor(slots, dtype=torch.int64, device=p.device)
     kernel = recurrent
     if p.max_len > RECURRENT_MAX_LEN:
         from ..kernels.triton_chunked import chunked as kernel
-    o, S = kernel(x.q, x.k, x.v, x.lam, x.b, x.w, p.initial_state, p.scale,
+    o, S = kernel(x.q, x.k, x.v, x.g, x.gk, x.b, x.w, p.initial_state, p.scale,
+                  A_log=p.A_log, dt_bias=p.dt_bias, beta_sigmoid=p.beta_sigmoid,
+                  l2norm_eps=p.l2norm_eps if p.qk_l2norm else None,
                   state_indices=idx, state_layout=p.state_layout,
-                  spans=None if flat is None else [(a, n) for a, n, _ in flat])
+                  spans=None if seqs is None else [(a, n) for a, n, _ in seqs])
     if p.in_place:
         return _prepare.finish(p, pk, o, None)
     # a new state in the caller's layout; finish takes a K-major view

@@ -1,8 +1,8 @@
 """Chunked (WY / UT-transform) prefill in Triton, see ../shared/ALGORITHM.md.
 
-Every gate form: scalar or per-key log decay lam ([N, L, H] or [N, L, H, K],
-g + gk already summed by `_prepare`), or none; scalar beta (b is w, [N, L, H])
-or channel-wise erase b [N, L, H, K] and write w [N, L, H, V], or none.
+Every gate form: scalar log decay g [N, L, H], per-key gk [N, L, H, K], both
+(lam = g + gk) or none; scalar beta (b is w, [N, L, H]) or channel-wise erase
+b [N, L, H, K] and write w [N, L, H, V], or none.
 Per chunk of BT = 64 tokens with cumulative log decay G (from the chunk start,
 per key channel) and Γ_rs = exp(G_r - G_s) for r >= s:
 
@@ -17,8 +17,9 @@ state head): grid (NC, N * H) over packed [N, L] sequences, or, VARLEN, grid
 (sequence, chunk) computed once on the host (`spans_tensors`), so sequences of
 very different lengths cost no padding.
 
-0. `_cumsum_kernel`, per-key decay only: G per chunk into a float32 scratch
-   gc [tokens, H, K] (so other rows' G can be loaded).
+0. `_cumsum_kernel`, per-key decay only: G = cumsum(gk + g) per chunk into a
+   float32 scratch gc [tokens, H, K] (so other rows' G can be loaded). A scalar
+   g alone is summed where it is used (`_scalar_log_decay`, 64 values).
 1. `_intra_kernel`, only for the delta rules: A (scalar decay: one product
    masked by the C x C decay matrix; per key: `_pairwise_per_key`), T by
    `_unit_lower_inverse` (16 x 16 diagonal blocks, then block merges),
@@ -43,9 +44,15 @@ the block is one product; the diagonal 16 x 16 blocks are formed element-wise
 (one column offset of all four sub-chunks at a time). Tokens past L in the last
 chunk are masked (identity steps).
 
+The input preprocessing is fused in (`triton_common`), applied where the
+operands are loaded: the raw-gate arm (A_log, dt_bias) in the cumsum kernel
+(per key) or `_scalar_log_decay`, `beta_sigmoid` in the intra kernel,
+`qk_l2norm` on every load of q and k rows (one row reduction each, no
+normalised copy in memory).
+
 Compute only: token-major operands as described in
-`deltarule.backends._prepare`; q, k, v in their input dtype (widened to float32
-when loaded); no validation. The kernels write state, so none is autotuned.
+`deltarule.backends._prepare` (`raw_operands`); q, k, v and the gates in their
+input dtype (widened to float32 when loaded); no validation. The kernels write state, so none is autotuned.
 Under `TRITON_INTERPRET=1` (set before this module is imported) they run on CPU
 tensors.
 """
@@ -56,7 +63,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_recurrent import _strides, new_state
+from .triton_common import (gate_flags, l2norm_rows, load_state_tile, new_state, raw_log_decay, state_strides,
+                            store_state_tile, update_gate)
 
 CHUNK = 64
 SUB = 16
@@ -100,15 +108,33 @@ def _seq_coords(i_n, seq, L, NC, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _pairwise_per_key(b_x, b_k, b_g, k, gc, bos, i_c, n_len, i_h, i_hk, H, Hk, K,
-                      STRICT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+def _scalar_log_decay(g, A, dtb, o_th, i_h, m_t, RAW: tl.constexpr):
+    """[BT] scalar log decay of the chunk's rows (zero on masked rows), the raw-gate arm applied."""
+    b_g = tl.load(g + o_th, mask=m_t, other=0.0).to(tl.float32)
+    if RAW:
+        b_g = tl.where(m_t, raw_log_decay(b_g, tl.load(A + i_h).to(tl.float32), tl.load(dtb + i_h).to(tl.float32)), 0.0)
+    return b_g
+
+
+@triton.jit
+def _load_k(k, i_t, i_hk, Hk, K, o_k, m_tk, eps, L2NORM: tl.constexpr):
+    """[rows, BK] float32 key rows (zero where masked), L2-normalised with `qk_l2norm`."""
+    b_k = tl.load(k + (i_t * Hk + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    return l2norm_rows(b_k, eps, L2NORM)
+
+
+@triton.jit
+def _pairwise_per_key(b_x, b_k, b_g, k, gc, bos, i_c, n_len, i_h, i_hk, H, Hk, K, eps,
+                      STRICT: tl.constexpr, L2NORM: tl.constexpr,
+                      BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """P [BT, BT]: P_rs = Σ_k x_rk exp(G_rk - G_sk) k_sk for s < r (s <= r unless STRICT).
 
     b_x, b_k [BT, BK] float32, zero on masked rows; b_g [BT, BK] the chunk's G
     as stored in gc (zero on masked rows). Rows and columns are the chunk's
     tokens. Off-diagonal sub-chunk blocks: one product per earlier sub-chunk j
     through its last valid token n; diagonal blocks element-wise, loading the
-    column token's k and G from memory. Every exponent is <= 0.
+    column token's k (L2-normalised with L2NORM) and G from memory. Every
+    exponent is <= 0.
     """
     o_r = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -137,7 +163,7 @@ def _pairwise_per_key(b_x, b_k, b_g, k, gc, bos, i_c, n_len, i_h, i_hk, H, Hk, K
             m_d = m_t & (o_rs <= o_r)
         i_ts = bos + i_c * BT + o_rs
         m_dk = m_d[:, None] & m_k[None, :]
-        b_ks = tl.load(k + (i_ts * Hk + i_hk)[:, None] * K + o_k[None, :], mask=m_dk, other=0.0).to(tl.float32)
+        b_ks = _load_k(k, i_ts, i_hk, Hk, K, o_k, m_dk, eps, L2NORM)
         b_gs = tl.load(gc + (i_ts * H + i_h)[:, None] * K + o_k[None, :], mask=m_dk, other=0.0)
         b_e = tl.exp(tl.where(m_dk, b_g - b_gs, 0.0))
         b_col = tl.sum(b_x * b_e * b_ks, axis=1)
@@ -174,9 +200,11 @@ def _unit_lower_inverse(b_a, BT: tl.constexpr, BC: tl.constexpr, LEVELS: tl.cons
 
 
 @triton.jit
-def _cumsum_kernel(lam, gc, seq, chunks, L, NC, H, K,
-                   VARLEN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """gc [tokens, H, K]: per-key log decay summed from each chunk's start."""
+def _cumsum_kernel(g, gk, A, dtb, gc, seq, chunks, L, NC, H, K,
+                   VARLEN: tl.constexpr, HAS_G: tl.constexpr, RAW: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr):
+    """gc [tokens, H, K]: per-key log decay gk (+ scalar g with HAS_G) summed from each
+    chunk's start; RAW: gk is the raw projection (A [H], dtb [H, K])."""
     i_n, i_h, i_c, bos, n_len, i_cg = _chunk_coords(
         tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), seq, chunks, L, NC, H, VARLEN)
     o_t = i_c * BT + tl.arange(0, BT)
@@ -184,23 +212,28 @@ def _cumsum_kernel(lam, gc, seq, chunks, L, NC, H, K,
     m_tk = (o_t < n_len)[:, None] & (o_k < K)[None, :]
     o_th = (bos + o_t) * H + i_h
     p = o_th[:, None] * K + o_k[None, :]
-    b_l = tl.load(lam + p, mask=m_tk, other=0.0).to(tl.float32)
+    b_l = tl.load(gk + p, mask=m_tk, other=0.0).to(tl.float32)
+    if RAW:
+        b_dtb = tl.load(dtb + i_h * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)
+        b_l = tl.where(m_tk, raw_log_decay(b_l, tl.load(A + i_h).to(tl.float32), b_dtb[None, :]), 0.0)
+    if HAS_G:
+        b_l += tl.load(g + o_th, mask=o_t < n_len, other=0.0).to(tl.float32)[:, None]
     tl.store(gc + p, tl.cumsum(b_l, axis=0), mask=m_tk)
 
 
 @triton.jit
 def _intra_kernel(
-    k, v, lam, gc, b, w, u, y, seq, chunks,
-    L, NC, H, Hk, K, V,
-    VARLEN: tl.constexpr, HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr,
-    ERASE_PER_KEY: tl.constexpr, WRITE_PER_VALUE: tl.constexpr,
+    k, v, g, A, dtb, gc, b, w, u, y, seq, chunks,
+    eps, L, NC, H, Hk, K, V,
+    VARLEN: tl.constexpr, HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr, RAW: tl.constexpr,
+    ERASE_PER_KEY: tl.constexpr, WRITE_PER_VALUE: tl.constexpr, SIGMOID: tl.constexpr, L2NORM: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, LEVELS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     """State-free part of chunk i_c of state head h of sequence n (delta rules).
 
-    k [N, L, Hk, K], v [N, L, H, V], lam [N, L, H] (scalar decay), gc
-    [N, L, H, K] (per key: G), b [N, L, H] or [N, L, H, K], w [N, L, H] or
-    [N, L, H, V]; writes u [N, L, H, V] = T (w v) and
+    k [N, L, Hk, K], v [N, L, H, V], g [N, L, H] (scalar decay; RAW: with A,
+    dtb), gc [N, L, H, K] (per key: G), b [N, L, H] or [N, L, H, K], w
+    [N, L, H] or [N, L, H, V] (SIGMOID: their sigmoid); writes u [N, L, H, V] = T (w v) and
     y [N, L, H, K] = T (exp(G) b k), float32 (VARLEN: the token axis is the
     flat [B * T] one and sequences are spans of it).
     """
@@ -217,24 +250,24 @@ def _intra_kernel(
     i_t = bos + o_t                              # token rows in the [N * L] (VARLEN: [B * T]) token axis
     o_th = i_t * H + i_h                         # (token, state head) rows of v, u, y and the gates
 
-    b_k = tl.load(k + (i_t * Hk + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_k = _load_k(k, i_t, i_hk, Hk, K, o_k, m_tk, eps, L2NORM)
     if ERASE_PER_KEY:
-        b_kb = b_k * tl.load(b + o_th[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_kb = b_k * update_gate(tl.load(b + o_th[:, None] * K + o_k[None, :], mask=m_tk, other=0.0), SIGMOID)
     else:
-        b_kb = b_k * tl.load(b + o_th, mask=m_t, other=0.0).to(tl.float32)[:, None]
+        b_kb = b_k * update_gate(tl.load(b + o_th, mask=m_t, other=0.0), SIGMOID)[:, None]
 
     m_a = o_r[:, None] > o_r[None, :]
     if DECAY_PER_KEY:
         b_g = tl.load(gc + o_th[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_a = _pairwise_per_key(b_kb, b_k, b_g, k, gc, bos, i_c, n_len, i_h, i_hk, H, Hk, K,
-                                STRICT=True, BT=BT, BC=BC, BK=BK)
+        b_a = _pairwise_per_key(b_kb, b_k, b_g, k, gc, bos, i_c, n_len, i_h, i_hk, H, Hk, K, eps,
+                                STRICT=True, L2NORM=L2NORM, BT=BT, BC=BC, BK=BK)
         b_kbe = b_kb * tl.exp(b_g)
     else:
         # A = (b k) K^T ⊙ Γ, strictly lower; the exponent is masked before exp
         b_a = tl.dot(b_kb, tl.trans(b_k), input_precision="ieee")
         b_kbe = b_kb
         if HAS_DECAY:
-            b_g = tl.cumsum(tl.load(lam + o_th, mask=m_t, other=0.0).to(tl.float32), axis=0)
+            b_g = tl.cumsum(_scalar_log_decay(g, A, dtb, o_th, i_h, m_t, RAW), axis=0)
             b_a = b_a * tl.exp(tl.where(m_a, b_g[:, None] - b_g[None, :], 0.0))
             b_kbe = b_kb * tl.exp(b_g)[:, None]
         b_a = tl.where(m_a, b_a, 0.0)
@@ -246,30 +279,31 @@ def _intra_kernel(
 
     # Ũ = T (w v), one value tile at a time
     if not WRITE_PER_VALUE:
-        b_T = b_T * tl.load(w + o_th, mask=m_t, other=0.0).to(tl.float32)[None, :]
+        b_T = b_T * tl.where(m_t, update_gate(tl.load(w + o_th, mask=m_t, other=0.0), SIGMOID), 0.0)[None, :]
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         b_v = tl.load(v + o_th[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         if WRITE_PER_VALUE:
-            b_v = b_v * tl.load(w + o_th[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            b_v = b_v * update_gate(tl.load(w + o_th[:, None] * V + o_v[None, :], mask=m_tv, other=0.0), SIGMOID)
         tl.store(u + o_th[:, None] * V + o_v[None, :], tl.dot(b_T, b_v, input_precision="ieee"), mask=m_tv)
 
 
 @triton.jit
 def _state_kernel(
-    k, u, y, lam, gc, S0, S, h, idx, seq,
-    L, NC, H, Hk, K, V,
+    k, u, y, g, A, dtb, gc, S0, S, h, idx, seq,
+    eps, L, NC, H, Hk, K, V,
     s0_n, s0_h, s0_k, s0_v, s_n, s_h, s_k, s_v,
-    VARLEN: tl.constexpr, HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr, HAS_ERASE: tl.constexpr,
-    HAS_INIT: tl.constexpr, HAS_INDEX: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr, RAW: tl.constexpr,
+    HAS_ERASE: tl.constexpr, L2NORM: tl.constexpr, HAS_INIT: tl.constexpr, HAS_INDEX: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     """Chunk-to-chunk state passing for one [K, BV] state tile.
 
     u [N, L, H, V]: Ũ on entry (float32, rewritten in place as U) with
     retrieval, else v itself (input dtype, only read); y [N, L, H, K];
-    lam [N, L, H] (scalar decay) or gc [N, L, H, K] (per key: G);
+    g [N, L, H] (scalar decay; RAW: with A, dtb) or gc [N, L, H, K] (per
+    key: G); k rows L2-normalised with L2NORM;
     S0 read once (zeros unless HAS_INIT), S written once at the end, both
     addressed by element strides (slot, head, key, value) at row idx[n] (HAS_INDEX; a negative
     row: nothing read or written) or n; they may be the same memory (each
@@ -295,10 +329,7 @@ def _state_kernel(
     if HAS_INDEX:
         i_row = tl.load(idx + i_n).to(tl.int64)
     m_row = m_s & ((o_k * 0 + i_row) >= 0)[:, None]      # a padding row: no read, no write
-    b_s = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_INIT:
-        p_s0 = S0 + i_row * s0_n + i_h * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
-        b_s = tl.load(p_s0, mask=m_row, other=0.0).to(tl.float32)
+    b_s = load_state_tile(S0, i_row, i_h, s0_n, s0_h, s0_k, s0_v, o_k, o_v, m_row, HAS_INIT, BK, BV)
     for i_c in range((n_len + BT - 1) // BT):
         tl.store(h + ((i_cg + i_c) * H + i_h) * K * V + o_s, b_s, mask=m_s)
         o_t = i_c * BT + o_r
@@ -315,7 +346,7 @@ def _state_kernel(
             b_u = b_u - tl.dot(b_y, b_s, input_precision="ieee")
             tl.store(p_u, b_u, mask=m_tv)
 
-        b_k = tl.load(k + (i_t * Hk + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_k = _load_k(k, i_t, i_hk, Hk, K, o_k, m_tk, eps, L2NORM)
         if HAS_DECAY:
             if DECAY_PER_KEY:                    # G from the cumsum kernel's scratch: no scan here
                 b_g = tl.load(gc + o_th[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
@@ -324,29 +355,29 @@ def _state_kernel(
                 b_k = b_k * tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.0))
                 b_s = b_s * tl.exp(b_gl)[:, None]
             else:
-                b_l = tl.load(lam + o_th, mask=m_t, other=0.0).to(tl.float32)
+                b_l = _scalar_log_decay(g, A, dtb, o_th, i_h, m_t, RAW)
                 b_g = tl.cumsum(b_l, axis=0)
                 b_gl = tl.sum(b_l, axis=0)
                 b_k = b_k * tl.exp(b_gl - b_g)[:, None]
                 b_s = b_s * tl.exp(b_gl)
         b_s = b_s + tl.dot(tl.trans(b_k), b_u, input_precision="ieee")
 
-    p_s = S + i_row * s_n + i_h * s_h + o_k[:, None] * s_k + o_v[None, :] * s_v
-    tl.store(p_s, b_s, mask=m_row)
+    store_state_tile(S, b_s, i_row, i_h, s_n, s_h, s_k, s_v, o_k, o_v, m_row)
 
 
 @triton.jit
 def _output_kernel(
-    q, k, u, lam, gc, h, o, seq, chunks,
-    scale, L, NC, H, Hq, Hk, K, V,
+    q, k, u, g, A, dtb, gc, h, o, seq, chunks,
+    scale, eps, L, NC, H, Hq, Hk, K, V,
     G: tl.constexpr, VARLEN: tl.constexpr,
-    HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr,
+    HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr, RAW: tl.constexpr, L2NORM: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     """O = scale [(Q ⊙ exp(G)) S_in + M U] for one chunk and value tile.
 
-    q [N, L, Hq, G, K]; u [N, L, H, V] (U, or v without retrieval);
-    lam [N, L, H] (scalar decay) or gc [N, L, H, K] (per key: G);
+    q [N, L, Hq, G, K] and k rows L2-normalised with L2NORM; u [N, L, H, V]
+    (U, or v without retrieval); g [N, L, H] (scalar decay; RAW: with A,
+    dtb) or gc [N, L, H, K] (per key: G);
     h [chunks, H, K, V]; o [N, L, H, G, V] float32.
     """
     i_v = tl.program_id(1).to(tl.int64)
@@ -367,7 +398,7 @@ def _output_kernel(
     i_t = bos + o_t
     o_th = i_t * H + i_h
 
-    b_k = tl.load(k + (i_t * Hk + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_k = _load_k(k, i_t, i_hk, Hk, K, o_k, m_tk, eps, L2NORM)
     b_u = tl.load(u + o_th[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
     b_s = tl.load(h + (i_cg * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
                   mask=m_k[:, None] & m_v[None, :], other=0.0)
@@ -379,22 +410,22 @@ def _output_kernel(
         b_e = tl.full([BT], 1.0, dtype=tl.float32)
         b_gam = tl.where(m_m, 1.0, 0.0)
         if HAS_DECAY:
-            b_g = tl.cumsum(tl.load(lam + o_th, mask=m_t, other=0.0).to(tl.float32), axis=0)
+            b_g = tl.cumsum(_scalar_log_decay(g, A, dtb, o_th, i_h, m_t, RAW), axis=0)
             b_e = tl.exp(b_g)
             b_gam = tl.where(m_m, tl.exp(tl.where(m_m, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
 
-    for g in tl.static_range(G):
-        p_q = q + ((i_t * Hq + i_hq) * G + g)[:, None] * K + o_k[None, :]
-        b_q = tl.load(p_q, mask=m_tk, other=0.0).to(tl.float32)
+    for i_g in tl.static_range(G):
+        p_q = q + ((i_t * Hq + i_hq) * G + i_g)[:, None] * K + o_k[None, :]
+        b_q = l2norm_rows(tl.load(p_q, mask=m_tk, other=0.0).to(tl.float32), eps, L2NORM)
         if DECAY_PER_KEY:
-            b_m = _pairwise_per_key(b_q, b_k, b_g, k, gc, bos, i_c, n_len, i_h, i_hk, H, Hk, K,
-                                    STRICT=False, BT=BT, BC=BC, BK=BK)
+            b_m = _pairwise_per_key(b_q, b_k, b_g, k, gc, bos, i_c, n_len, i_h, i_hk, H, Hk, K, eps,
+                                    STRICT=False, L2NORM=L2NORM, BT=BT, BC=BC, BK=BK)
             b_o = tl.dot(b_q * b_e, b_s, input_precision="ieee")
         else:
             b_m = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * b_gam
             b_o = tl.dot(b_q * b_e[:, None], b_s, input_precision="ieee")
         b_o = scale * (b_o + tl.dot(b_m, b_u, input_precision="ieee"))
-        p_o = o + (o_th * G + g)[:, None] * V + o_v[None, :]
+        p_o = o + (o_th * G + i_g)[:, None] * V + o_v[None, :]
         tl.store(p_o, b_o, mask=m_tv)
 
 
@@ -411,15 +442,21 @@ def spans_tensors(spans, BT: int, device):
     return as_t(seq, 3), as_t(chunks, 2), first
 
 
-def chunked(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=None, state_layout: str = "kv",
-            spans=None):
+def chunked(q, k, v, g, gk, b, w, S0, scale: float, S=None, *, A_log=None, dt_bias=None,
+            beta_sigmoid: bool = False, l2norm_eps: float | None = None,
+            state_indices=None, state_layout: str = "kv", spans=None):
     """Chunked prefill; returns (o, S), o float32.
 
     q [N, L, Hq, G, K], k [N, L, Hk, K], v [N, L, H, V] (Hq, Hk divide H);
-    lam None, [N, L, H] or [N, L, H, K] (log decay); b None, [N, L, H]
-    (scalar beta: w is b, or an equal tensor) or [N, L, H, K] (erase, with w
-    [N, L, H, V] the write gate); S0 None (zeros) or float32 [N, H, K, V]
-    ("kv") / [N, H, V, K] ("vk"), any strides. o is [N, L, H, G, V].
+    g None or [N, L, H], gk None or [N, L, H, K] (log decays, summed when
+    both are given); b None, [N, L, H] (scalar beta: w is b, or an equal
+    tensor) or [N, L, H, K] (erase, with w [N, L, H, V] the write gate); all
+    in their input dtype. Fused into the kernels: `A_log` [H] with `dt_bias`
+    ([H] beside g, [H, K] beside gk; only one of g and gk then) make the
+    decay -exp(A_log) * softplus(gate + dt_bias); `beta_sigmoid` takes the
+    sigmoid of b and w; `l2norm_eps` (not None) L2-normalises q and k rows
+    with that epsilon. S0 None (zeros) or float32 [N, H, K, V] ("kv") /
+    [N, H, V, K] ("vk"), any strides. o is [N, L, H, G, V].
 
     `spans` (varlen, no packing): a host list of (first token, length) in the
     flat [N * L] token axis of the operands, one per sequence, disjoint; the
@@ -434,15 +471,16 @@ def chunked(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=None,
     (negative: padding, the slab row is neither read nor written; its
     output is computed from a zero state and is the caller's to discard).
     """
-    if (lam is not None and lam.dim() not in (3, 4)) or (b is None) != (w is None) \
-            or (b is not None and (b.dim() not in (3, 4) or (b.dim() == 3) != (w.dim() == 3))):
-        raise ValueError("triton chunked: lam [N,L,H] or [N,L,H,K]; b, w both scalar [N,L,H] or "
-                         "erase [N,L,H,K] with write [N,L,H,V]")
+    if (g is not None and g.dim() != 3) or (gk is not None and gk.dim() != 4) or (b is None) != (w is None) \
+            or (b is not None and (b.dim() not in (3, 4) or (b.dim() == 3) != (w.dim() == 3))) \
+            or (A_log is not None and (g is None) == (gk is None)):
+        raise ValueError("triton chunked: g [N,L,H], gk [N,L,H,K] (one of them with A_log); b, w both "
+                         "scalar [N,L,H] or erase [N,L,H,K] with write [N,L,H,V]")
     N, L, H, V = v.shape
     Hq, G, K = q.shape[2], q.shape[3], q.shape[4]
     Hk = k.shape[2]
     contig = lambda x: None if x is None else x.contiguous()  # noqa: E731
-    q, k, v, lam, b, w = map(contig, (q, k, v, lam, b, w))
+    q, k, v, g, gk, b, w, A_log, dt_bias = map(contig, (q, k, v, g, gk, b, w, A_log, dt_bias))
     BT, BC = CHUNK, SUB
     varlen = spans is not None
     if varlen:
@@ -466,23 +504,26 @@ def chunked(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=None,
     BK = max(16, triton.next_power_of_2(K))
     BV = min(64, max(16, triton.next_power_of_2(V)))
     NV = triton.cdiv(V, BV)
-    has_decay = lam is not None
-    per_key = has_decay and lam.dim() == 4
-    has_erase = b is not None and n_chunks > 0
+    eps = float(l2norm_eps or 0.0)
+    flags = gate_flags(g, gk, b, w, A_log)
+    decay = dict(HAS_DECAY=flags["HAS_G"] or flags["HAS_GK"], DECAY_PER_KEY=flags["HAS_GK"], RAW=flags["RAW"])
+    l2norm = l2norm_eps is not None
+    has_erase = flags["HAS_ERASE"] and n_chunks > 0
     gc = None
-    if per_key:                       # allocated even without chunks: the state kernel takes a pointer
-        gc = torch.empty(lam.shape, dtype=torch.float32, device=v.device)
-    if per_key and n_chunks > 0:
-        _cumsum_kernel[(grid_c, grid_h)](lam, gc, seq, chunk_list, L, NC, H, K, VARLEN=varlen, BT=BT, BK=BK)
+    if gk is not None:                # allocated even without chunks: the state kernel takes a pointer
+        gc = torch.empty(gk.shape, dtype=torch.float32, device=v.device)
+    if gk is not None and n_chunks > 0:
+        _cumsum_kernel[(grid_c, grid_h)](g, gk, A_log, dt_bias, gc, seq, chunk_list, L, NC, H, K,
+                                         VARLEN=varlen, HAS_G=flags["HAS_G"], RAW=flags["RAW"], BT=BT, BK=BK)
     u, y = v, None
     if has_erase:
         u = torch.empty(N, L, H, V, dtype=torch.float32, device=v.device)
         y = torch.empty(N, L, H, K, dtype=torch.float32, device=v.device)
         _intra_kernel[(grid_c, grid_h)](
-            k, v, lam, gc, b, w, u, y, seq, chunk_list,
-            L, NC, H, Hk, K, V,
-            VARLEN=varlen, HAS_DECAY=has_decay, DECAY_PER_KEY=per_key,
-            ERASE_PER_KEY=b.dim() == 4, WRITE_PER_VALUE=w.dim() == 4,
+            k, v, g, A_log, dt_bias, gc, b, w, u, y, seq, chunk_list,
+            eps, L, NC, H, Hk, K, V,
+            VARLEN=varlen, **decay, ERASE_PER_KEY=flags["ERASE_PER_KEY"], WRITE_PER_VALUE=flags["WRITE_PER_VALUE"],
+            SIGMOID=beta_sigmoid, L2NORM=l2norm,
             BT=BT, BC=BC, LEVELS=(BT // BC).bit_length() - 1, BK=BK, BV=BV,
         )
     h = torch.empty(max(n_chunks, 1), H, K, V, dtype=torch.float32, device=v.device)
@@ -490,18 +531,18 @@ def chunked(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=None,
     if state_indices is not None:
         idx = state_indices.to(device=v.device, dtype=torch.int64).contiguous()
     _state_kernel[(NV, n_seq * H)](
-        k, u, y, lam, gc, S0, S, h, idx, seq,
-        L, NC, H, Hk, K, V,
-        *(_strides(S0, state_layout) if S0 is not None else (0, 0, 0, 0)), *_strides(S, state_layout),
-        VARLEN=varlen, HAS_DECAY=has_decay, DECAY_PER_KEY=per_key, HAS_ERASE=has_erase,
+        k, u, y, g, A_log, dt_bias, gc, S0, S, h, idx, seq,
+        eps, L, NC, H, Hk, K, V,
+        *state_strides(S0, state_layout), *state_strides(S, state_layout),
+        VARLEN=varlen, **decay, HAS_ERASE=has_erase, L2NORM=l2norm,
         HAS_INIT=S0 is not None, HAS_INDEX=idx is not None,
         BT=BT, BK=BK, BV=BV,
     )
     if n_chunks > 0:
         _output_kernel[(grid_c, NV, grid_h)](
-            q, k, u, lam, gc, h, o, seq, chunk_list,
-            float(scale), L, NC, H, Hq, Hk, K, V,
-            G=G, VARLEN=varlen, HAS_DECAY=has_decay, DECAY_PER_KEY=per_key,
+            q, k, u, g, A_log, dt_bias, gc, h, o, seq, chunk_list,
+            float(scale), eps, L, NC, H, Hq, Hk, K, V,
+            G=G, VARLEN=varlen, **decay, L2NORM=l2norm,
             BT=BT, BC=BC, BK=BK, BV=BV,
         )
     return o, S

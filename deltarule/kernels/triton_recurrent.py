@@ -5,7 +5,7 @@ One program per (value tile, sequence, state head): grid
 registers across the L tokens of its sequence. Per token it reads the old
 state once for both the retrieval and the output (ALGORITHM.md, "Decode"):
 
-    r = S'^T (b k),  p = S'^T q   with S' = D S, D = diag(exp(lam))
+    r = S'^T (b k),  p = S'^T q   with S' = D S, D = diag(exp(g + gk))
     u = w v - r,     o = scale (p + (k . q) u),   S = S' + k u^T
 
 and stores the state once at the end. Columns of the state are independent,
@@ -15,9 +15,14 @@ The state is read from, and written to, wherever it lies: any strides (a
 K-major or V-major state), optionally at slab rows `state_indices[n]` (a
 negative index is padding: that row is never touched), in place.
 
+The input preprocessing is fused in (`triton_common`): the raw-gate arm
+(A_log, dt_bias), `beta_sigmoid` and `qk_l2norm` are applied to each token's
+gates and q / k rows as they are loaded, so a decode step is one launch.
+
 Compute only: token-major operands as described in
-`deltarule.backends._prepare`; absent gates are None; no validation. The
-kernel writes its state, so it is never autotuned. Under `TRITON_INTERPRET=1`
+`deltarule.backends._prepare` (`raw_operands`), in their input dtype; absent
+gates are None; no validation. The kernel writes its state, so it is never
+autotuned. Under `TRITON_INTERPRET=1`
 (set before this module is imported) it runs on CPU tensors.
 """
 
@@ -27,30 +32,36 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_common import (gate_flags, l2norm_vector, load_state_tile, new_state, raw_log_decay, state_strides,
+                            store_state_tile, update_gate)
+
 
 @triton.jit
 def _recurrent_kernel(
-    q, k, v, lam, b, w, S0, S, o, idx, seq,
-    scale, L, H, Hq, Hk, K, V,
+    q, k, v, g, gk, A, dtb, b, w, S0, S, o, idx, seq,
+    scale, eps, L, H, Hq, Hk, K, V,
     s0_n, s0_h, s0_k, s0_v, s_n, s_h, s_k, s_v,
     G: tl.constexpr, VARLEN: tl.constexpr, HAS_INIT: tl.constexpr, HAS_INDEX: tl.constexpr,
-    HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_GK: tl.constexpr, RAW: tl.constexpr,
     HAS_ERASE: tl.constexpr, ERASE_PER_KEY: tl.constexpr,
     HAS_WRITE: tl.constexpr, WRITE_PER_VALUE: tl.constexpr,
+    SIGMOID: tl.constexpr, L2NORM: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
 ):
     """L steps of one [K, BV] state tile of state head h of sequence n.
 
     q [N, L, Hq, G, K], k [N, L, Hk, K], v [N, L, H, V] (Hq, Hk divide H);
-    lam [N, L, H] or [N, L, H, K]; b [N, L, H] or [N, L, H, K];
-    w [N, L, H] or [N, L, H, V]; o [N, L, H, G, V]. The state is read once
-    at the start from S0 (zeros unless HAS_INIT) and written once at the end
-    to S, both addressed by element strides (slot, head, key, value), so
-    K-major and V-major states alike, at row idx[n] (HAS_INDEX: a slab; a
-    negative row is a padding sequence: nothing read or written) or n. S may
-    be S0 itself (in place: each program touches only its own tile).
-    VARLEN: sequence n is the span seq[n, 0] .. + seq[n, 1] of the flat token
-    axis (no packing); else tokens n * L .. + L.
+    g [N, L, H] and gk [N, L, H, K] log decays (RAW: the one given is the raw
+    projection, with A [H] and dtb [H] or [H, K]); b [N, L, H] or [N, L, H, K];
+    w [N, L, H] or [N, L, H, V] (SIGMOID: their sigmoid is taken); L2NORM: q
+    and k rows are L2-normalised as they are loaded; o [N, L, H, G, V]. The
+    state is read once at the start from S0 (zeros unless HAS_INIT) and
+    written once at the end to S, both addressed by element strides (slot,
+    head, key, value), so K-major and V-major states alike, at row idx[n]
+    (HAS_INDEX: a slab; a negative row is a padding sequence: nothing read
+    or written) or n. S may be S0 itself (in place: each program touches only
+    its own tile). VARLEN: sequence n is the span seq[n, 0] .. + seq[n, 1] of
+    the flat token axis (no packing); else tokens n * L .. + L.
     """
     i_v = tl.program_id(0).to(tl.int64)
     i_nh = tl.program_id(1).to(tl.int64)
@@ -69,10 +80,13 @@ def _recurrent_kernel(
     if HAS_INDEX:
         i_row = tl.load(idx + i_n).to(tl.int64)
     m_row = m_s & ((o_k * 0 + i_row) >= 0)[:, None]      # a padding row: no read, no write
-    b_s = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_INIT:
-        p_s0 = S0 + i_row * s0_n + i_h * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
-        b_s = tl.load(p_s0, mask=m_row, other=0.0).to(tl.float32)
+    b_s = load_state_tile(S0, i_row, i_h, s0_n, s0_h, s0_k, s0_v, o_k, o_v, m_row, HAS_INIT, BK, BV)
+    if RAW:                                               # per head, loaded once
+        b_a = tl.load(A + i_h).to(tl.float32)
+        if HAS_GK:
+            b_dtb = tl.load(dtb + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        else:
+            b_dtb = tl.load(dtb + i_h).to(tl.float32)
 
     if VARLEN:
         bos = tl.load(seq + 3 * i_n).to(tl.int64)
@@ -85,60 +99,58 @@ def _recurrent_kernel(
         o_th = i_t * H + i_h                    # (token, state head) row of v, o and the gates
         p_k = k + (i_t * Hk + i_hk) * K + o_k
         p_v = v + o_th * V + o_v
-        b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = l2norm_vector(tl.load(p_k, mask=m_k, other=0.0).to(tl.float32), eps, L2NORM)
         b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
-        b_d = tl.full([BK], 1.0, dtype=tl.float32)
-        if HAS_DECAY:
-            if DECAY_PER_KEY:
-                b_d = tl.exp(tl.load(lam + o_th * K + o_k, mask=m_k, other=0.0).to(tl.float32))
-            else:
-                b_d = b_d * tl.exp(tl.load(lam + o_th).to(tl.float32))
+        b_lam = tl.zeros([BK], dtype=tl.float32)           # log decay per key
+        if HAS_GK:
+            b_gk = tl.load(gk + o_th * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            if RAW:
+                b_gk = raw_log_decay(b_gk, b_a, b_dtb)
+            b_lam += b_gk
+        if HAS_G:
+            b_g = tl.load(g + o_th).to(tl.float32)
+            if RAW and not HAS_GK:
+                b_g = raw_log_decay(b_g, b_a, b_dtb)
+            b_lam += b_g
+        b_d = tl.exp(b_lam)
         b_u = b_v
         if HAS_WRITE:
             if WRITE_PER_VALUE:
-                b_u = b_v * tl.load(w + o_th * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+                b_u = b_v * update_gate(tl.load(w + o_th * V + o_v, mask=m_v, other=0.0), SIGMOID)
             else:
-                b_u = b_v * tl.load(w + o_th).to(tl.float32)
+                b_u = b_v * update_gate(tl.load(w + o_th), SIGMOID)
         if HAS_ERASE:
             if ERASE_PER_KEY:
-                b_b = tl.load(b + o_th * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                b_b = update_gate(tl.load(b + o_th * K + o_k, mask=m_k, other=0.0), SIGMOID)
             else:
-                b_b = tl.load(b + o_th).to(tl.float32)
+                b_b = update_gate(tl.load(b + o_th), SIGMOID)
             # retrieval from the old state: S'^T (b k) = S^T (exp(lam) b k)
             b_u = b_u - tl.sum((b_d * b_b * b_k)[:, None] * b_s, axis=0)
-        for g in tl.static_range(G):
-            p_q = q + ((i_t * Hq + i_hq) * G + g) * K + o_k
-            p_o = o + (o_th * G + g) * V + o_v
-            b_q = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)
+        for i_g in tl.static_range(G):
+            p_q = q + ((i_t * Hq + i_hq) * G + i_g) * K + o_k
+            p_o = o + (o_th * G + i_g) * V + o_v
+            b_q = l2norm_vector(tl.load(p_q, mask=m_k, other=0.0).to(tl.float32), eps, L2NORM)
             # output from the old state too: S_t^T q = S'^T q + (k . q) u
             b_o = scale * (tl.sum((b_d * b_q)[:, None] * b_s, axis=0) + tl.sum(b_k * b_q) * b_u)
             tl.store(p_o, b_o, mask=m_v)
         b_s = b_d[:, None] * b_s + b_k[:, None] * b_u[None, :]
 
-    p_s = S + i_row * s_n + i_h * s_h + o_k[:, None] * s_k + o_v[None, :] * s_v
-    tl.store(p_s, b_s, mask=m_row)
+    store_state_tile(S, b_s, i_row, i_h, s_n, s_h, s_k, s_v, o_k, o_v, m_row)
 
 
-def _strides(x, layout: str):
-    """(slot, head, key, value) element strides of a [S, H, K, V] ("kv") or [S, H, V, K] ("vk") state."""
-    s_n, s_h, s_a, s_b = x.stride()
-    return (s_n, s_h, s_a, s_b) if layout == "kv" else (s_n, s_h, s_b, s_a)
-
-
-def new_state(S0, state_indices, N: int, H: int, K: int, V: int, layout: str, device):
-    """The state buffer the kernels write: S0 itself for a slab (in place), else a new one."""
-    if state_indices is not None:
-        return S0
-    shape = (N, H, K, V) if layout == "kv" else (N, H, V, K)
-    return torch.empty(shape, dtype=torch.float32, device=device)
-
-
-def recurrent(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=None, state_layout: str = "kv",
-              spans=None):
+def recurrent(q, k, v, g, gk, b, w, S0, scale: float, S=None, *, A_log=None, dt_bias=None,
+              beta_sigmoid: bool = False, l2norm_eps: float | None = None,
+              state_indices=None, state_layout: str = "kv", spans=None):
     """Run the fused recurrence; returns (o [N, L, H, G, V] float32, S).
 
-    q [N, L, Hq, G, K], k [N, L, Hk, K], v [N, L, H, V]; lam, b: None,
-    [N, L, H] or [N, L, H, K]; w: None, [N, L, H] or [N, L, H, V].
+    q [N, L, Hq, G, K], k [N, L, Hk, K], v [N, L, H, V]; g None or
+    [N, L, H] and gk None or [N, L, H, K], log decays; b None, [N, L, H] or
+    [N, L, H, K] (erase; scalar beta); w None, [N, L, H] or [N, L, H, V]
+    (write; scalar beta: b itself); all in their input dtype. Fused into the
+    kernel: `A_log` [H] with `dt_bias` ([H] beside g, [H, K] beside gk; only
+    one of g and gk then) make the decay -exp(A_log) * softplus(gate + dt_bias);
+    `beta_sigmoid` takes the sigmoid of b and w; `l2norm_eps` (not None)
+    L2-normalises q and k rows with that epsilon.
     S0: None (zeros) or float32 [N, H, K, V] ("kv") / [N, H, V, K] ("vk"),
     any strides. `S` is the output state buffer, same layout (default a new
     contiguous tensor; S0 itself updates the states in place). With
@@ -154,7 +166,7 @@ def recurrent(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=Non
     Hq, G, K = q.shape[2], q.shape[3], q.shape[4]
     Hk = k.shape[2]
     contig = lambda x: None if x is None else x.contiguous()  # noqa: E731
-    q, k, v, lam, b, w = map(contig, (q, k, v, lam, b, w))
+    q, k, v, g, gk, b, w, A_log, dt_bias = map(contig, (q, k, v, g, gk, b, w, A_log, dt_bias))
     n_seq, seq, covered = N, None, True
     if spans is not None:
         n_seq = len(spans)
@@ -172,13 +184,11 @@ def recurrent(q, k, v, lam, b, w, S0, scale: float, S=None, *, state_indices=Non
     BV = min(64, triton.next_power_of_2(V))
     grid = (triton.cdiv(V, BV), n_seq * H)
     _recurrent_kernel[grid](
-        q, k, v, lam, b, w, S0, S, o, idx, seq,
-        float(scale), L, H, Hq, Hk, K, V,
-        *(_strides(S0, state_layout) if S0 is not None else (0, 0, 0, 0)), *_strides(S, state_layout),
+        q, k, v, g, gk, A_log, dt_bias, b, w, S0, S, o, idx, seq,
+        float(scale), float(l2norm_eps or 0.0), L, H, Hq, Hk, K, V,
+        *state_strides(S0, state_layout), *state_strides(S, state_layout),
         G=G, VARLEN=seq is not None, HAS_INIT=S0 is not None, HAS_INDEX=idx is not None,
-        HAS_DECAY=lam is not None, DECAY_PER_KEY=lam is not None and lam.dim() == 4,
-        HAS_ERASE=b is not None, ERASE_PER_KEY=b is not None and b.dim() == 4,
-        HAS_WRITE=w is not None, WRITE_PER_VALUE=w is not None and w.dim() == 4,
+        **gate_flags(g, gk, b, w, A_log), SIGMOID=beta_sigmoid, L2NORM=l2norm_eps is not None,
         BK=BK, BV=BV,
     )
     return o, S
