@@ -27,6 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.normpath(os.path.join(HERE, "..")))
 
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -46,12 +47,14 @@ def variants(K: int, V: int, dt: str):
     BK = max(16, triton.next_power_of_2(K))
     BV = min(64, max(16, triton.next_power_of_2(V)))
     rec_BK, rec_BV = triton.next_power_of_2(K), min(64, triton.next_power_of_2(V))
-    chunk = dict(BT=tc.CHUNK, BK=BK)
+    dot_dt = tl.float32 if dt == "fp32" else tl.bfloat16      # as `triton_common.dot_dtype`
+    chunk = dict(BT=tc.CHUNK, BK=BK, DT=dot_dt)
     LEVELS = (tc.CHUNK // tc.SUB).bit_length() - 1
     plain = dict(RAW=False, A=None, dtb=None)
     fused = dict(RAW=True)
-    out = [("cumsum g+gk", tc._cumsum_kernel, dict(chunk, VARLEN=False, HAS_G=True, **plain, seq=None, chunks=None)),
-           ("cumsum raw varlen", tc._cumsum_kernel, dict(chunk, VARLEN=True, HAS_G=False, g=None, **fused))]
+    scan = dict(BT=tc.CHUNK, BK=BK)
+    out = [("cumsum g+gk", tc._cumsum_kernel, dict(scan, VARLEN=False, HAS_G=True, **plain, seq=None, chunks=None)),
+           ("cumsum raw varlen", tc._cumsum_kernel, dict(scan, VARLEN=True, HAS_G=False, g=None, **fused))]
     for per_key in (False, True):
         decay = dict(HAS_DECAY=True, DECAY_PER_KEY=per_key, **({} if per_key else {"gc": None}))
         for erase_pk in (False, True):

@@ -25,7 +25,7 @@ from deltarule import cases  # noqa: E402
 from deltarule.backends import _prepare, triton_backend  # noqa: E402
 from deltarule.backends.triton_chunked_support import chunked_supported  # noqa: E402
 from deltarule.check import expected  # noqa: E402
-from deltarule.kernels import triton_chunked  # noqa: E402
+from deltarule.kernels import triton_chunked, triton_common  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -333,3 +333,25 @@ def test_unit_lower_inverse(scale):
     assert ref.abs()[48:, :16].min() > 0            # the merged corner blocks are non-trivial
     assert torch.isfinite(T).all()
     assert (T.double() - ref).norm() / ref.norm() < 1e-6
+
+
+@triton.jit
+def _dot_kernel(a, b, c, DT: tl.constexpr, N: tl.constexpr):
+    o = tl.arange(0, N)
+    p = o[:, None] * N + o[None, :]
+    tl.store(c + p, triton_common.dot(tl.load(a + p), tl.load(b + p), DT))
+
+
+@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
+def test_dot_precision(dt):
+    """16-bit inputs: products of operands rounded to bfloat16 (nearest even), float32 sums;
+    float32 inputs: exact float32 products."""
+    gen = torch.Generator().manual_seed(3)
+    a, b = (torch.randn(32, 32, generator=gen) * 3).to(DEVICE), torch.randn(32, 32, generator=gen).to(DEVICE)
+    c = torch.full_like(a, float("nan"))
+    _dot_kernel[(1,)](a, b, c, DT=getattr(tl, dt), N=32)
+    cast = (lambda x: x.bfloat16().double()) if dt == "bfloat16" else (lambda x: x.double())
+    ref = cast(a) @ cast(b)
+    assert (c.double() - ref).norm() / ref.norm() < 1e-6
+    if dt == "bfloat16":                              # and not the float32 product
+        assert (c.double() - a.double() @ b.double()).norm() / ref.norm() > 1e-4

@@ -63,8 +63,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import (gate_flags, l2norm_rows, load_state_tile, new_state, raw_log_decay, state_strides,
-                            store_state_tile, update_gate)
+from .triton_common import (dot, dot_dtype, gate_flags, l2norm_rows, load_state_tile, new_state, raw_log_decay,
+                            state_strides, store_state_tile, update_gate)
 
 CHUNK = 64
 SUB = 16
@@ -125,7 +125,7 @@ def _load_k(k, i_t, i_hk, Hk, K, o_k, m_tk, eps, L2NORM: tl.constexpr):
 
 @triton.jit
 def _pairwise_per_key(b_x, b_k, b_g, k, gc, bos, i_c, n_len, i_h, i_hk, H, Hk, K, eps,
-                      STRICT: tl.constexpr, L2NORM: tl.constexpr,
+                      STRICT: tl.constexpr, L2NORM: tl.constexpr, DT: tl.constexpr,
                       BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """P [BT, BT]: P_rs = Σ_k x_rk exp(G_rk - G_sk) k_sk for s < r (s <= r unless STRICT).
 
@@ -153,7 +153,7 @@ def _pairwise_per_key(b_x, b_k, b_g, k, gc, bos, i_c, n_len, i_h, i_hk, H, Hk, K
         b_left = tl.where(m_left[:, None], b_x * tl.exp(b_left), 0.0)
         b_right = tl.where(m_right[:, None], b_gn[None, :] - b_g, 0.0)
         b_right = tl.where(m_right[:, None], b_k * tl.exp(b_right), 0.0)
-        b_p += tl.dot(b_left, tl.trans(b_right), input_precision="ieee")
+        b_p += dot(b_left, tl.trans(b_right), DT)
     # diagonal blocks: step j takes column s(r) = (first row of r's sub-chunk) + j for every row r
     for j in range(BC):
         o_rs = i_sub * BC + j
@@ -227,7 +227,7 @@ def _intra_kernel(
     eps, L, NC, H, Hk, K, V,
     VARLEN: tl.constexpr, HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr, RAW: tl.constexpr,
     ERASE_PER_KEY: tl.constexpr, WRITE_PER_VALUE: tl.constexpr, SIGMOID: tl.constexpr, L2NORM: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, LEVELS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, LEVELS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     """State-free part of chunk i_c of state head h of sequence n (delta rules).
 
@@ -260,11 +260,11 @@ def _intra_kernel(
     if DECAY_PER_KEY:
         b_g = tl.load(gc + o_th[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
         b_a = _pairwise_per_key(b_kb, b_k, b_g, k, gc, bos, i_c, n_len, i_h, i_hk, H, Hk, K, eps,
-                                STRICT=True, L2NORM=L2NORM, BT=BT, BC=BC, BK=BK)
+                                STRICT=True, L2NORM=L2NORM, DT=DT, BT=BT, BC=BC, BK=BK)
         b_kbe = b_kb * tl.exp(b_g)
     else:
         # A = (b k) K^T ⊙ Γ, strictly lower; the exponent is masked before exp
-        b_a = tl.dot(b_kb, tl.trans(b_k), input_precision="ieee")
+        b_a = dot(b_kb, tl.trans(b_k), DT)
         b_kbe = b_kb
         if HAS_DECAY:
             b_g = tl.cumsum(_scalar_log_decay(g, A, dtb, o_th, i_h, m_t, RAW), axis=0)
@@ -275,7 +275,7 @@ def _intra_kernel(
     b_T = _unit_lower_inverse(b_a, BT=BT, BC=BC, LEVELS=LEVELS)
 
     # Y = T (exp(G) b k)
-    tl.store(y + o_th[:, None] * K + o_k[None, :], tl.dot(b_T, b_kbe, input_precision="ieee"), mask=m_tk)
+    tl.store(y + o_th[:, None] * K + o_k[None, :], dot(b_T, b_kbe, DT), mask=m_tk)
 
     # Ũ = T (w v), one value tile at a time
     if not WRITE_PER_VALUE:
@@ -286,7 +286,7 @@ def _intra_kernel(
         b_v = tl.load(v + o_th[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         if WRITE_PER_VALUE:
             b_v = b_v * update_gate(tl.load(w + o_th[:, None] * V + o_v[None, :], mask=m_tv, other=0.0), SIGMOID)
-        tl.store(u + o_th[:, None] * V + o_v[None, :], tl.dot(b_T, b_v, input_precision="ieee"), mask=m_tv)
+        tl.store(u + o_th[:, None] * V + o_v[None, :], dot(b_T, b_v, DT), mask=m_tv)
 
 
 @triton.jit
@@ -295,7 +295,7 @@ def _state_kernel(
     eps, L, NC, H, Hk, K, V,
     s0_n, s0_h, s0_k, s0_v, s_n, s_h, s_k, s_v,
     VARLEN: tl.constexpr, HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr, RAW: tl.constexpr,
-    HAS_ERASE: tl.constexpr, L2NORM: tl.constexpr, HAS_INIT: tl.constexpr, HAS_INDEX: tl.constexpr,
+    HAS_ERASE: tl.constexpr, L2NORM: tl.constexpr, HAS_INIT: tl.constexpr, HAS_INDEX: tl.constexpr, DT: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     """Chunk-to-chunk state passing for one [K, BV] state tile.
@@ -343,7 +343,7 @@ def _state_kernel(
         b_u = tl.load(p_u, mask=m_tv, other=0.0).to(tl.float32)
         if HAS_ERASE:                            # U = Ũ - Y S
             b_y = tl.load(y + o_th[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-            b_u = b_u - tl.dot(b_y, b_s, input_precision="ieee")
+            b_u = b_u - dot(b_y, b_s, DT)
             tl.store(p_u, b_u, mask=m_tv)
 
         b_k = _load_k(k, i_t, i_hk, Hk, K, o_k, m_tk, eps, L2NORM)
@@ -360,7 +360,7 @@ def _state_kernel(
                 b_gl = tl.sum(b_l, axis=0)
                 b_k = b_k * tl.exp(b_gl - b_g)[:, None]
                 b_s = b_s * tl.exp(b_gl)
-        b_s = b_s + tl.dot(tl.trans(b_k), b_u, input_precision="ieee")
+        b_s = b_s + dot(tl.trans(b_k), b_u, DT)
 
     store_state_tile(S, b_s, i_row, i_h, s_n, s_h, s_k, s_v, o_k, o_v, m_row)
 
@@ -371,7 +371,7 @@ def _output_kernel(
     scale, eps, L, NC, H, Hq, Hk, K, V,
     G: tl.constexpr, VARLEN: tl.constexpr,
     HAS_DECAY: tl.constexpr, DECAY_PER_KEY: tl.constexpr, RAW: tl.constexpr, L2NORM: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     """O = scale [(Q ⊙ exp(G)) S_in + M U] for one chunk and value tile.
 
@@ -419,12 +419,12 @@ def _output_kernel(
         b_q = l2norm_rows(tl.load(p_q, mask=m_tk, other=0.0).to(tl.float32), eps, L2NORM)
         if DECAY_PER_KEY:
             b_m = _pairwise_per_key(b_q, b_k, b_g, k, gc, bos, i_c, n_len, i_h, i_hk, H, Hk, K, eps,
-                                    STRICT=False, L2NORM=L2NORM, BT=BT, BC=BC, BK=BK)
-            b_o = tl.dot(b_q * b_e, b_s, input_precision="ieee")
+                                    STRICT=False, L2NORM=L2NORM, DT=DT, BT=BT, BC=BC, BK=BK)
+            b_o = dot(b_q * b_e, b_s, DT)
         else:
-            b_m = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * b_gam
-            b_o = tl.dot(b_q * b_e[:, None], b_s, input_precision="ieee")
-        b_o = scale * (b_o + tl.dot(b_m, b_u, input_precision="ieee"))
+            b_m = dot(b_q, tl.trans(b_k), DT) * b_gam
+            b_o = dot(b_q * b_e[:, None], b_s, DT)
+        b_o = scale * (b_o + dot(b_m, b_u, DT))
         p_o = o + (o_th * G + i_g)[:, None] * V + o_v[None, :]
         tl.store(p_o, b_o, mask=m_tv)
 
@@ -508,6 +508,7 @@ def chunked(q, k, v, g, gk, b, w, S0, scale: float, S=None, *, A_log=None, dt_bi
     flags = gate_flags(g, gk, b, w, A_log)
     decay = dict(HAS_DECAY=flags["HAS_G"] or flags["HAS_GK"], DECAY_PER_KEY=flags["HAS_GK"], RAW=flags["RAW"])
     l2norm = l2norm_eps is not None
+    DT = dot_dtype(k)                  # 16-bit inputs: products on bfloat16 tensor cores
     has_erase = flags["HAS_ERASE"] and n_chunks > 0
     gc = None
     if gk is not None:                # allocated even without chunks: the state kernel takes a pointer
@@ -523,7 +524,7 @@ def chunked(q, k, v, g, gk, b, w, S0, scale: float, S=None, *, A_log=None, dt_bi
             k, v, g, A_log, dt_bias, gc, b, w, u, y, seq, chunk_list,
             eps, L, NC, H, Hk, K, V,
             VARLEN=varlen, **decay, ERASE_PER_KEY=flags["ERASE_PER_KEY"], WRITE_PER_VALUE=flags["WRITE_PER_VALUE"],
-            SIGMOID=beta_sigmoid, L2NORM=l2norm,
+            SIGMOID=beta_sigmoid, L2NORM=l2norm, DT=DT,
             BT=BT, BC=BC, LEVELS=(BT // BC).bit_length() - 1, BK=BK, BV=BV,
         )
     h = torch.empty(max(n_chunks, 1), H, K, V, dtype=torch.float32, device=v.device)
@@ -535,14 +536,14 @@ def chunked(q, k, v, g, gk, b, w, S0, scale: float, S=None, *, A_log=None, dt_bi
         eps, L, NC, H, Hk, K, V,
         *state_strides(S0, state_layout), *state_strides(S, state_layout),
         VARLEN=varlen, **decay, HAS_ERASE=has_erase, L2NORM=l2norm,
-        HAS_INIT=S0 is not None, HAS_INDEX=idx is not None,
+        HAS_INIT=S0 is not None, HAS_INDEX=idx is not None, DT=DT,
         BT=BT, BK=BK, BV=BV,
     )
     if n_chunks > 0:
         _output_kernel[(grid_c, NV, grid_h)](
             q, k, u, g, A_log, dt_bias, gc, h, o, seq, chunk_list,
             float(scale), eps, L, NC, H, Hq, Hk, K, V,
-            G=G, VARLEN=varlen, **decay, L2NORM=l2norm,
+            G=G, VARLEN=varlen, **decay, L2NORM=l2norm, DT=DT,
             BT=BT, BC=BC, BK=BK, BV=BV,
         )
     return o, S

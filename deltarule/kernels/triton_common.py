@@ -14,6 +14,8 @@ imported) they run on CPU tensors like the kernels that call them.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -80,6 +82,39 @@ def store_state_tile(S, b_s, i_row, i_h, s_n, s_h, s_k, s_v, o_k, o_v, m_row):
     in `load_state_tile` (a padding row is never written)."""
     p_s = S + i_row * s_n + i_h * s_h + o_k[:, None] * s_k + o_v[None, :] * s_v
     tl.store(p_s, b_s, mask=m_row)
+
+
+# Triton's interpreter (3.9) multiplies bfloat16 blocks as their raw bits, and truncates where a
+# GPU rounds to nearest even. Under it `dot` takes the float32 product of the blocks rounded to
+# bfloat16 by `_round_to_bfloat16` instead: the GPU's result up to the order of the float32 sums
+# (the product of two bfloat16 values, 8-bit significands, is exact in float32).
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _round_to_bfloat16(x):
+    """float32 x rounded to the nearest bfloat16 value, ties to even, kept as float32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dot(a, b, DT: tl.constexpr):
+    """a @ b of float32 blocks, accumulated in float32. DT float32 (float32 inputs): exact
+    float32 products (`ieee`, no tf32). DT bfloat16 (16-bit inputs): the operands are rounded
+    to bfloat16 first, so the product runs on tensor cores; bfloat16 also for float16 inputs,
+    for its float32 range (states and inverses are not bounded by the inputs' range)."""
+    if DT == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    if _INTERPRETED:
+        return tl.dot(_round_to_bfloat16(a), _round_to_bfloat16(b), input_precision="ieee")
+    return tl.dot(a.to(DT), b.to(DT))
+
+
+def dot_dtype(x: torch.Tensor):
+    """The `dot` operand type for inputs of x's dtype."""
+    return tl.float32 if x.dtype == torch.float32 else tl.bfloat16
 
 
 def state_strides(x, layout: str):
