@@ -60,6 +60,18 @@ def params(*case_list):
     return [pytest.param(c, id=case_id(c)) for c in case_list]
 
 
+def assert_slab_updated_in_place(state, slab, before, o, state_indices):
+    """A slab call returned the slab itself, rewrote the rows `state_indices` names, left every
+    other row bit-identical, and gave padding sequences (negative index) a zero output."""
+    assert state is slab
+    written = {i for i in state_indices if i >= 0}
+    for row in range(slab.shape[0]):
+        assert torch.equal(slab[row], before[row]) != (row in written), f"slab row {row}"
+    for n, i in enumerate(state_indices):
+        if i < 0:
+            assert torch.count_nonzero(o[n]) == 0, f"padding sequence {n} has an output"
+
+
 def rel(x, ref) -> float:
     """||x - ref|| / ||ref|| in float64, NumPy or torch; same shapes; a zero ref is a test bug."""
     x = x.detach().double().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)

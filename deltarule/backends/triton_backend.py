@@ -70,9 +70,10 @@ def flat_spans(p: Problem) -> list[tuple[int, int, int]] | None:
     return kept
 
 
-def token_layout(p: Problem, packed: bool = False) -> tuple[_prepare.Packing, list | None]:
-    """(packing, sequences) of a call: sequences None when they are the rows of [B, T],
-    else (first token, length, slot) per sequence in the kernels' flat token axis.
+def token_layout(p: Problem, packed: bool = False) -> tuple[_prepare.Packing, list | None, list[int]]:
+    """(packing, spans, slots) of a call. spans: None when the sequences are the rows of
+    [B, T], else (first token, length) per sequence in the kernels' flat token axis; slots:
+    the slab row (or sequence index; negative: padding) of each sequence the kernels run.
 
     Varlen / ragged / padded batches with disjoint spans run unpacked: the kernels address
     the spans of the [B * T] token axis (chunk indices computed once). Clamped cu_seqlens
@@ -80,25 +81,23 @@ def token_layout(p: Problem, packed: bool = False) -> tuple[_prepare.Packing, li
     length only: the kernels fuse the raw-gate arm, so a padded step would not be identity.
     """
     identity = not p.varlen and all(s.slot >= 0 for s in p.spans)
-    if identity and not packed:
-        return _prepare.Packing(L=p.T, identity=True), None
-    flat = None if packed else flat_spans(p)
+    flat = None if identity or packed else flat_spans(p)
     if flat is not None:
-        return _prepare.Packing(L=p.T, identity=True), flat
-    pk = _prepare.pack(p)
+        return _prepare.Packing(L=p.T, identity=True), [(a, n) for a, n, _ in flat], [slot for *_, slot in flat]
+    pk = _prepare.Packing(L=p.T, identity=True) if identity and not packed else _prepare.pack(p)
+    slots = [s.slot for s in p.spans]
     if pk.identity:
-        return pk, None
-    return pk, [(n * pk.L, max(s.length, 0), s.slot) for n, s in enumerate(p.spans)]
+        return pk, None, slots
+    return pk, [(n * pk.L, max(s.length, 0)) for n, s in enumerate(p.spans)], slots
 
 
 def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     from ..kernels.triton_recurrent import recurrent
 
-    pk, seqs = token_layout(p)
+    pk, spans, slots = token_layout(p)
     x = _prepare.raw_operands(p, pk)
     idx = None
     if p.in_place:                                        # slab rows, -1 for padding: updated in place
-        slots = [slot for _, _, slot in seqs] if seqs is not None else [s.slot for s in p.spans]
         idx = torch.tensor(slots, dtype=torch.int64, device=p.device)
     kernel = recurrent
     if p.max_len > RECURRENT_MAX_LEN:
@@ -106,8 +105,7 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     o, S = kernel(x.q, x.k, x.v, x.g, x.gk, x.b, x.w, p.initial_state, p.scale,
                   A_log=p.A_log, dt_bias=p.dt_bias, beta_sigmoid=p.beta_sigmoid,
                   l2norm_eps=p.l2norm_eps if p.qk_l2norm else None,
-                  state_indices=idx, state_layout=p.state_layout,
-                  spans=None if seqs is None else [(a, n) for a, n, _ in seqs])
+                  state_indices=idx, state_layout=p.state_layout, spans=spans)
     if p.in_place:
         return _prepare.finish(p, pk, o, None)
     # a new state in the caller's layout; finish takes a K-major view
