@@ -35,15 +35,16 @@ from deltarule.kernels import triton_chunked as tc  # noqa: E402
 from deltarule.kernels import triton_recurrent as tr  # noqa: E402
 
 SHARED_LIMIT = {90: 232448, 80: 166912, 89: 101376}      # bytes per block (opt-in maximum)
-INTS = ("L", "H", "Hk", "Hq", "K", "V", "NC")
+INTS = ("L", "H", "Hk", "Hq", "K", "V", "NC", "W")
 NO_SEQ = {"seq": None, "chunks": None}
 STRIDES = ("s0_n", "s0_h", "s0_k", "s0_v", "s_n", "s_h", "s_k", "s_v")
 
 
 def variants(K: int, V: int, dt: str):
-    """(kernel label, jit function, constexprs) for every gate form the backend launches; the
-    fused preprocessing (raw-gate arm, beta_sigmoid, qk_l2norm) is on in one variant of each
-    kernel (Qwen3-Next's call) and off in the others."""
+    """(kernel label, jit function, constexprs, pointer types) for every gate form the backend
+    launches; the fused preprocessing (raw-gate arm, beta_sigmoid, qk_l2norm) is on in one
+    variant of each kernel (Qwen3-Next's call) and off in the others; pointer types other than
+    float32 (a 16-bit state) are named in the last element."""
     BK = max(16, triton.next_power_of_2(K))
     BV = min(64, max(16, triton.next_power_of_2(V)))
     rec_BK, rec_BV = triton.next_power_of_2(K), min(64, triton.next_power_of_2(V))
@@ -83,7 +84,18 @@ def variants(K: int, V: int, dt: str):
                              HAS_G=not per_key, HAS_GK=per_key, **({"g": None} if per_key else {"gk": None}),
                              **(plain if erase_pk else fused), SIGMOID=not erase_pk, L2NORM=not erase_pk,
                              HAS_ERASE=True, ERASE_PER_KEY=erase_pk, HAS_WRITE=True, WRITE_PER_VALUE=erase_pk,
-                             BK=rec_BK, BV=rec_BV)))
+                             TOKEN_ROWS=False, tok=None, BK=rec_BK, BV=rec_BV)))
+    # speculative decoding: per-token state stores into a bfloat16 slab (vLLM's verify step)
+    out.append(("recurrent speculative bf16 slab", tr._recurrent_kernel,
+                dict(G=1, HAS_INIT=True, HAS_INDEX=True, VARLEN=True, HAS_G=True, HAS_GK=False, gk=None, **fused,
+                     SIGMOID=True, L2NORM=True, HAS_ERASE=True, ERASE_PER_KEY=False, HAS_WRITE=True,
+                     WRITE_PER_VALUE=False, TOKEN_ROWS=True, BK=rec_BK, BV=rec_BV),
+                {"S0": "*bf16", "S": "*bf16"}))
+    # a bfloat16 state through the chunked state kernel
+    out.append(("state decay=g bf16 state", tc._state_kernel,
+                dict(chunk, HAS_DECAY=True, DECAY_PER_KEY=False, gc=None, **plain, L2NORM=False, HAS_ERASE=True,
+                     HAS_INIT=True, HAS_INDEX=False, BV=BV, VARLEN=False, idx=None, seq=None),
+                {"S0": "*bf16", "S": "*bf16"}))
     out.append(("intra no decay beta", tc._intra_kernel,
                 dict(chunk, HAS_DECAY=False, DECAY_PER_KEY=False, **plain, ERASE_PER_KEY=False, WRITE_PER_VALUE=False,
                      SIGMOID=False, L2NORM=False, BC=tc.SUB, LEVELS=LEVELS, BV=BV, g=None, gc=None, VARLEN=False,
@@ -92,13 +104,13 @@ def variants(K: int, V: int, dt: str):
                 dict(chunk, HAS_DECAY=False, DECAY_PER_KEY=False, **plain, HAS_ERASE=False, L2NORM=False,
                      HAS_INIT=False, HAS_INDEX=False, BV=BV, g=None, gc=None, y=None, S0=None, idx=None,
                      VARLEN=False, seq=None)))
-    return out
+    return [v if len(v) == 4 else (*v, {}) for v in out]
 
 
-def compile_one(fn, consts: dict, dt: str, target, num_warps: int):
+def compile_one(fn, consts: dict, dt: str, target, num_warps: int, pointers: dict):
     types = {n: "i32" for n in INTS}
     types.update({n: "i64" for n in STRIDES})
-    types.update(scale="fp32", eps="fp32", idx="*i64")
+    types.update(scale="fp32", eps="fp32", idx="*i64", tok="*i64", **pointers)
     for n in ("q", "k", "v"):
         types[n] = "*" + dt
     missing = [n for n, p in zip(fn.arg_names, fn.params) if p.is_constexpr and n not in consts]
@@ -123,12 +135,12 @@ def main(argv=None) -> int:
     failures = 0
     print(f"triton {triton.__version__}, target sm_{args.arch}, K = {args.K}, V = {args.V}, "
           f"q/k/v {args.dtype}, num_warps {args.num_warps}", flush=True)
-    for label, fn, consts in variants(args.K, args.V, args.dtype):
+    for label, fn, consts, pointers in variants(args.K, args.V, args.dtype):
         if wanted and not any(label.startswith(w) for w in wanted):
             continue
         t0 = time.perf_counter()
         try:
-            kernel = compile_one(fn, consts, args.dtype, target, args.num_warps)
+            kernel = compile_one(fn, consts, args.dtype, target, args.num_warps, pointers)
             shared = kernel.metadata.shared
             ok = limit is None or shared <= limit
             failures += not ok

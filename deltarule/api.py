@@ -8,6 +8,8 @@ import numbers
 import torch
 
 from . import backends as _backends
+from . import batch as _batch
+from .batch import BatchPlan
 from .errors import ContractError
 from .problem import (
     DELTA_RULES,
@@ -16,11 +18,10 @@ from .problem import (
     INPUT_DTYPES,
     LAYOUTS,
     RULES,
+    STATE_DTYPES,
     Problem,
-    Span,
 )
 
-_INT_DTYPES = (torch.int32, torch.int64)
 _DTYPE_NAMES = "float32, float16 or bfloat16"
 
 
@@ -41,6 +42,8 @@ def linear_attention(
     cu_seqlens: torch.Tensor | None = None,
     seq_lens: torch.Tensor | None = None,
     state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    plan: BatchPlan | None = None,
     qk_l2norm: bool = False,
     l2norm_eps: float = 1e-6,
     A_log: torch.Tensor | None = None,
@@ -76,9 +79,11 @@ def linear_attention(
         erase: [B, T, Hv, K] channel-wise erase gate (Gated DeltaNet-2).
         write: [B, T, Hv, V] channel-wise write gate (Gated DeltaNet-2).
         scale: output scale, default K ** -0.5; must be finite.
-        initial_state: float32 [N, Hv, K, V] ("kv") or [N, Hv, V, K] ("vk");
-            default zeros. With `state_indices` it is a slab [S, Hv, ...]
-            updated IN PLACE and returned; a device-resident slab
+        initial_state: [N, Hv, K, V] ("kv") or [N, Hv, V, K] ("vk"), float32,
+            bfloat16 or float16 (storage only: the state is float32 between a
+            sequence's tokens, and stores round to nearest even); default
+            zeros. With `state_indices` it is a slab [S, Hv, ...] updated IN
+            PLACE and returned; a device-resident slab
             (`deltarule.kernels.wgsl.WgslStateSlab`) runs on its own backend.
         state_layout: "kv" (default) or "vk", the layout of `initial_state`
             and of the returned state.
@@ -90,7 +95,20 @@ def linear_attention(
         seq_lens: [B] int ragged lengths in [0, T]; outputs past a row's
             length are zero. Excludes `cu_seqlens`.
         state_indices: [N] int slab rows, distinct; negative = padding (zero
-            output, no slab row touched). Needs `initial_state`.
+            output, no slab row touched). Needs `initial_state`. Or [N, L]
+            (speculative decoding): token t of sequence n (t < its length <=
+            L) stores its post-update state into row state_indices[n, t];
+            the initial state is read from row state_indices[n, a - 1], a =
+            num_accepted_tokens[n] (column 0 without it); a negative read row
+            makes the sequence padding, other negative entries are never
+            written; the rows live sequences write are distinct. Every read
+            happens before any write, so a row may be read and rewritten.
+        num_accepted_tokens: [N] int in [1, L], at most the sequence's length;
+            only with 2-D `state_indices`.
+        plan: a `deltarule.BatchPlan` from `deltarule.plan_batch`, instead
+            of cu_seqlens / seq_lens / state_indices / num_accepted_tokens:
+            validated once, reusable by every call of that batch layout
+            (every layer of a decode step).
         qk_l2norm: L2-normalise q and k per head in float32:
             x * rsqrt(sum(x^2) + l2norm_eps).
         l2norm_eps: default 1e-6.
@@ -104,9 +122,10 @@ def linear_attention(
         backend: "auto" (default) or a name from `deltarule.backends()`.
 
     Returns:
-        (o, state): o [B, T, max(Hq, Hv), V] in v's dtype; state float32 in
-        `state_layout`, [N, Hv, K, V] (or the slab itself with
-        `state_indices`), N = len(cu_seqlens) - 1 with varlen, else B.
+        (o, state): o [B, T, max(Hq, Hv), V] in v's dtype; state in
+        `state_layout` and initial_state's dtype (float32 without one),
+        [N, Hv, K, V] (or the slab itself with `state_indices`),
+        N = len(cu_seqlens) - 1 with varlen, else B.
 
     Raises:
         ContractError: any invalid argument, before any work.
@@ -122,13 +141,25 @@ def linear_attention(
         >>> o, state = deltarule.linear_attention(q, k, v, g=g, beta=beta)
         >>> tuple(o.shape), tuple(state.shape)
         ((1, 5, 2, 8), (1, 2, 8, 8))
+
+    Speculative decoding (docs/design.md, "Speculative decoding"): verify 3
+    draft tokens per request, keeping every token's state in its own row::
+
+        >>> slab = torch.zeros(8, H, K, V)
+        >>> q, k, v = (torch.randn(2, 3, H, d) for d in (K, K, V))
+        >>> rows = torch.tensor([[0, 1, 2], [4, 5, 6]])      # request n's 3 rows
+        >>> o, slab = deltarule.linear_attention(
+        ...     q, k, v, g=-torch.rand(2, 3, H), beta=torch.rand(2, 3, H),
+        ...     initial_state=slab, state_indices=rows)
+        >>> bool(slab[3].eq(0).all()), bool(slab[6].ne(0).any())
+        (True, True)
     """
     problem = validate(
         q, k, v, rule=rule, g=g, gk=gk, beta=beta, erase=erase, write=write,
         scale=scale, initial_state=initial_state, state_layout=state_layout,
         cu_seqlens=cu_seqlens, seq_lens=seq_lens, state_indices=state_indices,
-        qk_l2norm=qk_l2norm, l2norm_eps=l2norm_eps, A_log=A_log, dt_bias=dt_bias,
-        beta_sigmoid=beta_sigmoid, chunk_size=chunk_size,
+        num_accepted_tokens=num_accepted_tokens, plan=plan, qk_l2norm=qk_l2norm, l2norm_eps=l2norm_eps,
+        A_log=A_log, dt_bias=dt_bias, beta_sigmoid=beta_sigmoid, chunk_size=chunk_size,
     )
     return _backends.dispatch(problem, backend)
 
@@ -136,13 +167,14 @@ def linear_attention(
 def validate(
     q, k, v, *, rule="gated_delta", g=None, gk=None, beta=None, erase=None, write=None,
     scale=None, initial_state=None, state_layout="kv", cu_seqlens=None, seq_lens=None,
-    state_indices=None, qk_l2norm=False, l2norm_eps=1e-6, A_log=None, dt_bias=None,
-    beta_sigmoid=False, chunk_size=64,
+    state_indices=None, num_accepted_tokens=None, plan=None, qk_l2norm=False, l2norm_eps=1e-6, A_log=None,
+    dt_bias=None, beta_sigmoid=False, chunk_size=64,
 ) -> Problem:
     """Check every argument of `linear_attention`; return the `Problem`.
 
-    Raises `ContractError` on the first invalid argument. Reads `cu_seqlens`,
-    `seq_lens` and `state_indices` to the host; touches nothing else.
+    Raises `ContractError` on the first invalid argument. Without `plan`,
+    reads `cu_seqlens`, `seq_lens`, `state_indices` and `num_accepted_tokens`
+    to the host (`deltarule.batch.build`); touches nothing else.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x, rank=4, dtypes=INPUT_DTYPES, dtype_names=_DTYPE_NAMES)
@@ -187,34 +219,42 @@ def validate(
 
     if state_layout not in LAYOUTS:
         raise ContractError("state_layout", " | ".join(repr(x) for x in LAYOUTS), repr(state_layout))
-    if cu_seqlens is not None and seq_lens is not None:
-        raise ContractError("seq_lens", "None when cu_seqlens is given", "both given")
-    spans = _spans(B, T, cu_seqlens, seq_lens, device)
-    N = len(spans)
-
-    state_tail = (Hv, K, V) if state_layout == "kv" else (Hv, V, K)
-    letters = "[{}, Hv, K, V]" if state_layout == "kv" else "[{}, Hv, V, K]"
+    slab = state_indices is not None or (isinstance(plan, BatchPlan) and plan.in_place)
     if isinstance(initial_state, DeviceSlab):
-        if state_indices is None:
+        if not slab:
             raise ContractError("state_indices", "slab rows when initial_state is a device slab", None)
         if initial_state.layout != state_layout:
             raise ContractError("state_layout", f"the device slab's layout {initial_state.layout!r}",
                                 repr(state_layout))
     elif initial_state is not None:
-        _check_tensor("initial_state", initial_state, rank=4, dtypes=(torch.float32,),
-                      dtype_names="float32", device=device)
+        _check_tensor("initial_state", initial_state, rank=4, dtypes=STATE_DTYPES,
+                      dtype_names=_DTYPE_NAMES, device=device)
+    if slab and initial_state is None:
+        raise ContractError("initial_state", "a state slab when state_indices is given", None)
+    num_slots = initial_state.shape[0] if slab else None
+    if plan is None:
+        plan = _batch.build(B, T, device, cu_seqlens=cu_seqlens, seq_lens=seq_lens,
+                            state_indices=state_indices, num_accepted_tokens=num_accepted_tokens,
+                            num_slots=num_slots)
+    else:
+        if not isinstance(plan, BatchPlan):
+            raise ContractError("plan", "a deltarule.BatchPlan (deltarule.plan_batch) or None",
+                                type(plan).__name__)
+        for name, x in (("cu_seqlens", cu_seqlens), ("seq_lens", seq_lens), ("state_indices", state_indices),
+                        ("num_accepted_tokens", num_accepted_tokens)):
+            if x is not None:
+                raise ContractError(name, "None when a plan is given (the plan holds the batch layout)",
+                                    "a tensor")
+        plan.check_call(B=B, T=T, device=device, num_slots=num_slots)
+    N = plan.N
+
     if initial_state is not None:
-        if tuple(initial_state.shape[1:]) != state_tail or (
-            state_indices is None and initial_state.shape[0] != N
-        ):
-            rows = "S" if state_indices is not None else str(N)
+        state_tail = (Hv, K, V) if state_layout == "kv" else (Hv, V, K)
+        if tuple(initial_state.shape[1:]) != state_tail or (not slab and initial_state.shape[0] != N):
+            rows = "S" if slab else str(N)
+            letters = "[{}, Hv, K, V]" if state_layout == "kv" else "[{}, Hv, V, K]"
             expected = letters.format(rows) + " = " + str([rows, *state_tail])
             raise ContractError("initial_state", expected, tuple(initial_state.shape))
-    if state_indices is not None:
-        if initial_state is None:
-            raise ContractError("initial_state", "a state slab when state_indices is given", None)
-        slots = _slots(state_indices, N, initial_state.shape[0], device)
-        spans = tuple(Span(s.row, s.start, s.end, slot) for s, slot in zip(spans, slots))
 
     for name, flag in (("qk_l2norm", qk_l2norm), ("beta_sigmoid", beta_sigmoid)):
         if not isinstance(flag, bool):
@@ -231,9 +271,7 @@ def validate(
     return Problem(
         q=q, k=k, v=v, rule=rule, g=g, gk=gk, beta=beta, erase=erase, write=write,
         scale=float(scale), initial_state=initial_state, state_layout=state_layout,
-        spans=spans, in_place=state_indices is not None,
-        varlen=cu_seqlens is not None or seq_lens is not None,
-        qk_l2norm=qk_l2norm, l2norm_eps=float(l2norm_eps), A_log=A_log, dt_bias=dt_bias,
+        plan=plan, qk_l2norm=qk_l2norm, l2norm_eps=float(l2norm_eps), A_log=A_log, dt_bias=dt_bias,
         beta_sigmoid=beta_sigmoid, chunk_size=int(chunk_size),
     )
 
@@ -285,51 +323,6 @@ def _check_presence(rule, *, g, gk, beta, erase, write):
         for name, x in (("beta", beta), ("erase", erase), ("write", write)):
             if x is not None:
                 raise ContractError(name, f"None for rule {rule!r} (no retrieval)", "a tensor")
-
-
-def _host_ints(name, x, length, device):
-    """A 1-D integer tensor's values on the host, with the length checked."""
-    if not isinstance(x, torch.Tensor):
-        raise ContractError(name, "a torch.Tensor", type(x).__name__)
-    if x.dtype not in _INT_DTYPES:
-        raise ContractError(name, "dtype int32 or int64", x.dtype)
-    if x.dim() != 1 or (length is not None and x.shape[0] != length):
-        expected = f"shape [{length}]" if length is not None else "a rank-1 tensor"
-        raise ContractError(name, expected, f"shape {list(x.shape)}")
-    _check_device(name, x, device)
-    return x.tolist()
-
-
-def _spans(B, T, cu_seqlens, seq_lens, device):
-    if cu_seqlens is not None:
-        offsets = _host_ints("cu_seqlens", cu_seqlens, None, device)
-        if len(offsets) < 1:
-            raise ContractError("cu_seqlens", "[N + 1] offsets, N + 1 >= 1", "shape [0]")
-        if B != 1:
-            raise ContractError("cu_seqlens", "B == 1 (q [1, T, Hq, K]) with cu_seqlens", f"B = {B}")
-        clamped = [min(max(x, 0), T) for x in offsets]
-        return tuple(
-            Span(0, s, max(s, e), n) for n, (s, e) in enumerate(zip(clamped[:-1], clamped[1:]))
-        )
-    if seq_lens is not None:
-        lengths = _host_ints("seq_lens", seq_lens, B, device)
-        for b, n in enumerate(lengths):
-            if not 0 <= n <= T:
-                raise ContractError(f"seq_lens[{b}]", f"a length in [0, {T}]", n)
-        return tuple(Span(b, 0, n, b) for b, n in enumerate(lengths))
-    return tuple(Span(b, 0, T, b) for b in range(B))
-
-
-def _slots(state_indices, N, num_slots, device):
-    slots = _host_ints("state_indices", state_indices, N, device)
-    seen = set()
-    for n, s in enumerate(slots):
-        if s >= num_slots:
-            raise ContractError(f"state_indices[{n}]", f"a slab row < {num_slots} (or < 0 for padding)", s)
-        if s >= 0 and s in seen:
-            raise ContractError(f"state_indices[{n}]", "distinct slab rows", f"{s} repeated")
-        seen.add(s)
-    return slots
 
 
 def _check_raw_gate(A_log, dt_bias, *, g, gk, Hv, K, device):

@@ -1,8 +1,8 @@
 """A validated call: what the API hands to every backend.
 
-`Problem` holds the caller's tensors untouched plus the facts the validation
-derived (sizes, the host-side sequence spans, the slab slots). Backends read it
-and never re-validate.
+`Problem` holds the caller's tensors untouched, the validated scalars, and the
+`BatchPlan` (sequences, state rows, output owners: `deltarule.batch`).
+Backends read it and never re-validate.
 """
 
 from __future__ import annotations
@@ -11,11 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .batch import BatchPlan, Span
+
 RULES = ("linear", "gated", "delta", "gated_delta")
 GATED_RULES = ("gated", "gated_delta")
 DELTA_RULES = ("delta", "gated_delta")
 LAYOUTS = ("kv", "vk")
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+STATE_DTYPES = INPUT_DTYPES         # storage only: the state is float32 between a sequence's tokens
 
 
 class DeviceSlab:
@@ -32,24 +35,6 @@ class DeviceSlab:
 
 
 @dataclass(frozen=True)
-class Span:
-    """One sequence: tokens `start:end` of batch row `row`; `slot` is its state row.
-
-    `slot` indexes `initial_state` (the slab with `state_indices`, else the
-    sequence number); `slot < 0` marks a padding sequence (zero output, no state).
-    """
-
-    row: int
-    start: int
-    end: int
-    slot: int
-
-    @property
-    def length(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(frozen=True)
 class Problem:
     """Every argument of `linear_attention`, validated, with derived sizes.
 
@@ -57,7 +42,7 @@ class Problem:
     q [B,T,Hq,K], k [B,T,Hk,K], v [B,T,Hv,V], g [B,T,Hv], gk [B,T,Hv,K],
     beta [B,T,Hv], erase [B,T,Hv,K], write [B,T,Hv,V],
     initial_state [S,Hv,K,V] ("kv") or [S,Hv,V,K] ("vk") with S = N, or the
-    slab size with `state_indices`.
+    slab size with `state_indices`; `plan` the batch layout.
     """
 
     q: torch.Tensor
@@ -72,9 +57,7 @@ class Problem:
     scale: float
     initial_state: torch.Tensor | DeviceSlab | None
     state_layout: str
-    spans: tuple[Span, ...]
-    in_place: bool
-    varlen: bool
+    plan: BatchPlan
     qk_l2norm: bool
     l2norm_eps: float
     A_log: torch.Tensor | None
@@ -111,9 +94,28 @@ class Problem:
         return self.v.shape[3]
 
     @property
+    def spans(self) -> tuple[Span, ...]:
+        return self.plan.spans
+
+    @property
     def N(self) -> int:
         """Number of sequences (and of returned state rows without a slab)."""
-        return len(self.spans)
+        return self.plan.N
+
+    @property
+    def in_place(self) -> bool:
+        """`initial_state` is a slab updated in place (`state_indices`)."""
+        return self.plan.in_place
+
+    @property
+    def varlen(self) -> bool:
+        return self.plan.varlen
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """The state's storage dtype: initial_state's, float32 without one."""
+        init = self.initial_state
+        return init.dtype if isinstance(init, torch.Tensor) else torch.float32
 
     @property
     def Ho(self) -> int:
@@ -143,4 +145,4 @@ class Problem:
 
     @property
     def max_len(self) -> int:
-        return max((s.length for s in self.spans), default=0)
+        return self.plan.max_len

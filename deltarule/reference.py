@@ -1,10 +1,12 @@
-"""The float64 oracle: the recurrence of DESIGN.md section 1, token by token.
+"""The float64 oracle: the recurrence of docs/design.md section 1, token by token.
 
 Straight from the formula, in NumPy float64, one sequence at a time; every
 other backend is tested against `solve`. Slow by design.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,13 +30,26 @@ def _l2norm(x: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt((x * x).sum(-1, keepdims=True) + eps)
 
 
-def solve(p: Problem) -> tuple[np.ndarray, np.ndarray]:
+@dataclass
+class Solution:
+    """The float64 results of a call, K-major, before any cast or store.
+
+    o: [B, T, Ho, V], zero where no live sequence owns the token.
+    finals: [N, Hv, K, V], each sequence's final state (zeros for padding).
+    token_states: [W, Hv, K, V], the state after each per-token store of the
+        plan (`BatchPlan.token_writes` order); W = 0 without 2-D state_indices.
+    """
+
+    o: np.ndarray
+    finals: np.ndarray
+    token_states: np.ndarray
+
+
+def solve(p: Problem) -> Solution:
     """Run the recurrence in float64 without touching any input.
 
-    Returns:
-        o: [B, T, Ho, V] float64, zero where no sequence (or a padding one) wrote.
-        states: [N, Hv, K, V] float64, K-major, the final state of each
-            sequence in span order (zeros for padding sequences).
+    The state read from a 16-bit `initial_state` is its exact value; the
+    state is carried in float64 between tokens (the kernels carry float32).
     """
     q, k, v = _f64(p.q), _f64(p.k), _f64(p.v)
     if p.qk_l2norm:
@@ -49,9 +64,12 @@ def solve(p: Problem) -> tuple[np.ndarray, np.ndarray]:
     query_heads = key_head[:, None] if p.Hq <= p.Hv else np.arange(p.Hq).reshape(Hv, G)
 
     o = np.zeros((p.B, p.T, p.Ho, p.V))
-    states = np.zeros((p.N, Hv, p.K, p.V))
+    finals = np.zeros((p.N, Hv, p.K, p.V))
+    store_n, store_t, _ = p.plan.token_writes()
+    token_states = np.zeros((len(store_n), Hv, p.K, p.V))
+    stores = {(n, t): i for i, (n, t) in enumerate(zip(store_n.tolist(), store_t.tolist()))}
     for n, span in enumerate(p.spans):
-        if span.slot < 0:
+        if not span.live:
             continue
         S = s0[n].copy()
         for t in range(span.start, span.end):
@@ -64,8 +82,11 @@ def solve(p: Problem) -> tuple[np.ndarray, np.ndarray]:
             S = S + kt[:, :, None] * u[:, None, :]
             qt = q[span.row, t][query_heads]                   # [Hv, G, K]
             o[span.row, t] = p.scale * np.einsum("hgk,hkv->hgv", qt, S).reshape(p.Ho, p.V)
-        states[n] = S
-    return o, states
+            i = stores.get((n, t - span.start))
+            if i is not None:
+                token_states[i] = S
+        finals[n] = S
+    return Solution(o, finals, token_states)
 
 
 def _log_decay(p: Problem) -> np.ndarray | None:
@@ -99,7 +120,7 @@ def _erase_write(p: Problem) -> tuple[np.ndarray | None, np.ndarray | None]:
 
 
 def _initial_states(p: Problem) -> np.ndarray:
-    """[N, Hv, K, V] float64 starting state of each sequence."""
+    """[N, Hv, K, V] float64 starting state of each sequence (its read row)."""
     s0 = np.zeros((p.N, p.Hv, p.K, p.V))
     if p.initial_state is None:
         return s0
@@ -107,22 +128,34 @@ def _initial_states(p: Problem) -> np.ndarray:
     if p.state_layout == "vk":
         init = init.swapaxes(-1, -2)
     for n, span in enumerate(p.spans):
-        if span.slot >= 0:
-            s0[n] = init[span.slot]
+        if span.live:
+            s0[n] = init[span.read]
     return s0
 
 
-def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `reference` backend: `solve`, then the API's output dtype and state contract."""
-    o64, states64 = solve(p)
-    o = torch.from_numpy(o64).to(p.v.device, p.v.dtype)
-    states = torch.from_numpy(states64).to(p.v.device, torch.float32)
+def expected_state(p: Problem, sol: Solution) -> torch.Tensor:
+    """The returned state of the call in float64, in `p.state_layout`: the final states
+    [N, Hv, ...], or with a slab the whole slab after the call (rows not addressed as
+    they were, the final and per-token rows replaced)."""
+    finals, tokens = torch.from_numpy(sol.finals), torch.from_numpy(sol.token_states)
     if p.state_layout == "vk":
-        states = states.transpose(-1, -2)
+        finals, tokens = finals.transpose(-1, -2), tokens.transpose(-1, -2)
     if not p.in_place:
-        return o, states.contiguous()
-    slab = p.initial_state
-    for n, span in enumerate(p.spans):
-        if span.slot >= 0:
-            slab[span.slot].copy_(states[n])
-    return o, slab
+        return finals
+    slab = p.initial_state.detach().to("cpu", torch.float64).clone()
+    p.plan.store(slab, finals, tokens)
+    return slab
+
+
+def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `reference` backend: `solve`, then the API's output dtype and state contract
+    (the returned state in the state's storage dtype, rounded to nearest even)."""
+    sol = solve(p)
+    o = torch.from_numpy(sol.o).to(p.v.device, p.v.dtype)
+    if not p.in_place:
+        return o, expected_state(p, sol).to(p.v.device, p.state_dtype).contiguous()
+    finals, tokens = torch.from_numpy(sol.finals), torch.from_numpy(sol.token_states)
+    if p.state_layout == "vk":
+        finals, tokens = finals.transpose(-1, -2), tokens.transpose(-1, -2)
+    p.plan.store(p.initial_state, finals, tokens)
+    return o, p.initial_state

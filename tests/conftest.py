@@ -14,6 +14,7 @@ import pytest
 
 from deltarule import cases
 from deltarule.backends import cpu_backend
+from deltarule.check import STORE_TOL
 
 CPU = pytest.param("cpu", marks=pytest.mark.skipif(
     not cpu_backend.available(), reason="the cpu backend's native kernel was not built (no C compiler at install time)"))
@@ -60,16 +61,31 @@ def params(*case_list):
     return [pytest.param(c, id=case_id(c)) for c in case_list]
 
 
+def assert_rows_rewritten(slab, before, written):
+    """Exactly the slab rows in `written` changed; every other row is bit-identical."""
+    for row in range(slab.shape[0]):
+        assert torch.equal(slab[row], before[row]) != (row in written), f"slab row {row}"
+
+
 def assert_slab_updated_in_place(state, slab, before, o, state_indices):
     """A slab call returned the slab itself, rewrote the rows `state_indices` names, left every
     other row bit-identical, and gave padding sequences (negative index) a zero output."""
     assert state is slab
-    written = {i for i in state_indices if i >= 0}
-    for row in range(slab.shape[0]):
-        assert torch.equal(slab[row], before[row]) != (row in written), f"slab row {row}"
+    assert_rows_rewritten(slab, before, {i for i in state_indices if i >= 0})
     for n, i in enumerate(state_indices):
         if i < 0:
             assert torch.count_nonzero(o[n]) == 0, f"padding sequence {n} has an output"
+
+
+def state_dtype(args: dict) -> torch.dtype:
+    """The storage dtype of a call's state: initial_state's, float32 without one."""
+    init = args.get("initial_state")
+    return torch.float32 if init is None else init.dtype
+
+
+def state_tol(args: dict, tol: float) -> float:
+    """The tolerance of a call's returned state: `tol` plus one rounding to a 16-bit state dtype."""
+    return tol + STORE_TOL[state_dtype(args)]
 
 
 def rel(x, ref) -> float:

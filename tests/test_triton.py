@@ -9,7 +9,7 @@ stay tiny: the interpreter runs one numpy op per Triton op per program per token
 
 import pytest
 
-from conftest import assert_slab_updated_in_place, case_id, err, require_triton
+from conftest import assert_rows_rewritten, assert_slab_updated_in_place, case_id, err, require_triton, state_dtype, state_tol
 
 require_triton()
 
@@ -37,9 +37,9 @@ def check(args: dict, tol: float):
     p = deltarule.validate(**args)
     assert triton_backend.supports(p) is None
     o, state = triton_backend.run(p)
-    assert o.dtype == args["v"].dtype and state.dtype == torch.float32
+    assert o.dtype == args["v"].dtype and state.dtype == state_dtype(args)
     e_o, e_s = err(o, ref_o), err(state, ref_state)
-    assert e_o <= tol and e_s <= tol, f"err(o)={e_o:.2e} err(S)={e_s:.2e} tol={tol:.0e}"
+    assert e_o <= tol and e_s <= state_tol(args, tol), f"err(o)={e_o:.2e} err(S)={e_s:.2e} tol={tol:.0e}"
     return o, state
 
 
@@ -54,9 +54,14 @@ def _fits(case: dict) -> bool:
     return deltarule.validate(**cases.make_inputs(case)).max_len <= triton_backend.RECURRENT_MAX_LEN
 
 
-FUSED_CASES = [
+def _speculative(case: dict) -> bool:
+    return isinstance((case.get("state_indices") or [0])[0], list)
+
+
+FUSED_CASES = [   # speculative plans run the fused recurrence at any length
     pytest.param(case, dtype, id=f"{case['name']}-{dtype}")
-    for case in cases.test_cases() if case["T"] <= 64 or (case.get("cu_seqlens") is not None and _fits(case))
+    for case in cases.test_cases()
+    if case["T"] <= 64 or _speculative(case) or (case.get("cu_seqlens") is not None and _fits(case))
     for dtype in case["dtypes"]
 ]
 
@@ -106,7 +111,7 @@ def test_packed_raw_gate_keeps_empty_request_state():
     request keeps its state (a zero raw gate is no identity step: -exp(A_log) softplus(dt_bias) < 0)."""
     args = cases.make_inputs(small(B=1, T=12, cu_seqlens=[0, 8, 4, 12], decay="gk", raw_gate=True,
                                    initial_state=True), "float32", DEVICE)
-    assert triton_backend.flat_spans(deltarule.validate(**args)) is None
+    assert triton_backend.flat_spans(deltarule.validate(**args).plan) is None
     before = args["initial_state"].clone()
     _, state = check(args, TOL["float32"])
     assert torch.equal(state[1], before[1])
@@ -156,6 +161,17 @@ def test_slab_vk_layout_decode():
     assert torch.equal(args["initial_state"][0], before[0]) and torch.equal(args["initial_state"][3], before[3])
 
 
+def refuse_scatter_into(monkeypatch, slab):
+    """Fail the test if anything scatters rows into `slab` (the gather / scatter path)."""
+    scatter = torch.Tensor.index_copy_
+
+    def guarded(self, *a, **kw):
+        if self is slab:
+            pytest.fail("slab scattered")
+        return scatter(self, *a, **kw)
+    monkeypatch.setattr(torch.Tensor, "index_copy_", guarded)
+
+
 def test_slab_updated_where_it_lies(monkeypatch):
     """The fused kernel reads and writes the slab rows itself: no gathered copy, no scatter
     (index_select / index_copy_ on the slab would be the gather / scatter path)."""
@@ -173,11 +189,32 @@ def test_slab_updated_where_it_lies(monkeypatch):
         return kernel(*a, **kw)
 
     monkeypatch.setattr(triton_recurrent, "recurrent", spy)
-    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda *a, **kw: pytest.fail("slab scattered"))
+    refuse_scatter_into(monkeypatch, slab)
     o, _ = check(args, TOL["float32"])
     (S0, idx, spans), = seen
     # the padding sequence is not launched at all; the others are spans of the flat token axis
     assert S0 is slab and idx.tolist() == [2, 0] and spans == [(0, 2), (4, 2)]
+    assert torch.count_nonzero(o[1]) == 0
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_speculative_rows_stored_where_the_slab_lies(monkeypatch, state_dtype):
+    """Per-token states go straight into the (strided, 16-bit) slab rows from the kernel: no
+    gather, no scatter; the accepted row is read before the same program rewrites it, rows not
+    addressed and the padding sequence's rows stay bit-identical."""
+    case = small(B=3, T=3, K=20, V=24, decay="gk", update="erase_write", initial_state=True,
+                 state_indices=[[4, 0, 1], [-1, 5, 6], [2, 3, -1]], num_accepted_tokens=[2, 1, 1],
+                 num_slots=8, state_dtype=state_dtype)
+    args = cases.make_inputs(case, "float32", DEVICE)
+    wide = torch.zeros(8, 2, 20 + 3, 24, dtype=args["initial_state"].dtype)
+    wide[:, :, :20] = args["initial_state"]
+    slab = wide[:, :, :20]                                            # rows not contiguous
+    args["initial_state"] = slab
+    before = wide.clone()
+    refuse_scatter_into(monkeypatch, slab)
+    o, state = check(args, TOL["float32"])
+    assert state is slab
+    assert_rows_rewritten(wide, before, {4, 0, 1, 2, 3})              # sequence 1 reads row -1: padding
     assert torch.count_nonzero(o[1]) == 0
 
 

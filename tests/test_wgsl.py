@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_slab_updated_in_place, case_id, err
+from conftest import assert_slab_updated_in_place, case_id, err, state_dtype, state_tol
 
 from deltarule.kernels.wgsl import _device
 
@@ -59,9 +59,9 @@ def check(args: dict, tol: float):
     """Run the wgsl backend on `args`; compare o and the state with the reference."""
     ref_o, ref_state = expected(args)          # before the call: a slab is updated in place
     o, state = deltarule.linear_attention(**args, backend="wgsl")
-    assert o.dtype == args["v"].dtype and state.dtype == torch.float32
+    assert o.dtype == args["v"].dtype and state.dtype == state_dtype(args)
     e_o, e_s = err(o, ref_o), err(state, ref_state)
-    assert e_o <= tol and e_s <= tol, f"err(o)={e_o:.2e} err(S)={e_s:.2e} tol={tol:.0e}"
+    assert e_o <= tol and e_s <= state_tol(args, tol), f"err(o)={e_o:.2e} err(S)={e_s:.2e} tol={tol:.0e}"
     return o, state
 
 
@@ -157,6 +157,25 @@ def test_device_slab_decode_equals_one_prefill(layout):
     rows = slab.download()
     assert err(o, ref_o) <= TOL["float32"] and err(rows, ref_slab) <= TOL["float32"]
     for row in (0, 2, 4):
+        assert torch.equal(rows[row], host_slab[row])
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_device_slab_speculative_step(layout):
+    """A speculative plan on a WgslStateSlab: per-token rows stored on the device, the accepted
+    rows read, a padding sequence and rows not addressed untouched, as the reference."""
+    case = small(B=3, T=3, K=20, V=12, decay="gk", initial_state=True, state_layout=layout,
+                 state_indices=[[6, 0, 2], [1, -1, 3], [4, 5, -1]], num_accepted_tokens=[3, 1, 3], num_slots=8)
+    args = cases.make_inputs(case)
+    host_slab = args["initial_state"]
+    ref_o, ref_slab = expected(args)
+    slab = WgslStateSlab.from_tensor(host_slab, layout=layout)
+    o, state = deltarule.linear_attention(**dict(args, initial_state=slab))
+    assert state is slab
+    rows = slab.download()
+    assert err(o, ref_o) <= TOL["float32"] and err(rows, ref_slab) <= TOL["float32"]
+    assert torch.count_nonzero(o[2]) == 0                           # reads row -1: padding
+    for row in (4, 5, 7):
         assert torch.equal(rows[row], host_slab[row])
 
 

@@ -7,6 +7,7 @@ EVERYTHING = {
     "decay": "g, gk, g + gk, raw-gate arm (A_log, dt_bias)",
     "update": "beta, erase + write, beta_sigmoid",
     "heads": "GVA (Hv multiple of Hk), GQA (Hq multiple of Hv)",
-    "batching": "dense, cu_seqlens, seq_lens, state slab (state_indices)",
-    "dtypes": "float32, float16, bfloat16 inputs; float32 state",
+    "batching": "dense, cu_seqlens, seq_lens, state slab (state_indices), reusable batch plans",
+    "speculative": "2-D state_indices (per-token state rows), num_accepted_tokens",
+    "dtypes": "float32, float16, bfloat16 inputs; float32, bfloat16, float16 state storage",
 }

@@ -15,6 +15,8 @@ the results back through `finish`:
 
 Tokens past a sequence's length are identity steps (k = 0, lam = 0, all else 0),
 so the state after L padded steps is the state after the sequence's last token.
+The packing and the slab row indices come from the call's `BatchPlan` and are
+kept with it (a reused plan reuses them).
 """
 
 from __future__ import annotations
@@ -58,24 +60,27 @@ class Packing:
 
 
 def pack(p: Problem) -> Packing:
-    L = p.max_len
-    if not p.varlen and all(s.slot >= 0 for s in p.spans):
+    """The call's `Packing`, built once per plan and device."""
+    return p.plan.cached(("packing", p.device), lambda: _packing(p.plan, p.device))
+
+
+def _packing(plan, device) -> Packing:
+    L = plan.max_len
+    if plan.dense:
         return Packing(L=L, identity=True)
-    N, T = p.N, p.T
+    N, T = plan.N, plan.T
     gather = np.zeros((N, L), dtype=np.int64)
     valid = np.zeros((N, L), dtype=bool)
-    owner = np.full(p.B * T, -1, dtype=np.int64)           # flat [N*L] source of each output token
-    for n, s in enumerate(p.spans):
+    for n, s in enumerate(plan.spans):
         base = s.row * T + s.start
         gather[n, : s.length] = np.arange(base, base + s.length)
         valid[n, : s.length] = True
-        if s.slot >= 0:
-            owner[base : base + s.length] = n * L + np.arange(s.length)
+    owner = plan.owner()
     dst = np.nonzero(owner >= 0)[0]
-    dev = p.device
-    as_t = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
-    return Packing(L=L, identity=False, gather=as_t(gather), valid=as_t(valid),
-                   src=as_t(owner[dst]), dst=as_t(dst))
+    starts = np.array([s.row * T + s.start for s in plan.spans], dtype=np.int64)
+    src = owner[dst].astype(np.int64) * L + (dst - starts[owner[dst]])   # flat [N*L] source of each token
+    as_t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    return Packing(L=L, identity=False, gather=as_t(gather), valid=as_t(valid), src=as_t(src), dst=as_t(dst))
 
 
 def _to_sequences(x: torch.Tensor, pk: Packing, B: int, T: int) -> torch.Tensor:
@@ -177,7 +182,8 @@ def raw_operands(p: Problem, pk: Packing) -> RawOperands:
 
 
 def initial_states(p: Problem) -> torch.Tensor:
-    """[N, Hv, K, V] float32 K-major starting states (zeros for padding / no state)."""
+    """[N, Hv, K, V] float32 K-major starting states (zeros for padding / no state): a
+    copy, or the caller's float32 tensor itself (kernels never write their initial state)."""
     shape = (p.N, p.Hv, p.K, p.V)
     if p.initial_state is None:
         return torch.zeros(shape, dtype=torch.float32, device=p.device)
@@ -185,19 +191,22 @@ def initial_states(p: Problem) -> torch.Tensor:
     if p.state_layout == "vk":
         init = init.transpose(-1, -2)
     if not p.in_place:
-        return init.contiguous()            # kernels never write their initial state
-    slots = torch.tensor([max(s.slot, 0) for s in p.spans], dtype=torch.int64, device=p.device)
-    S0 = init.index_select(0, slots).contiguous()
-    pad = torch.tensor([s.slot < 0 for s in p.spans], device=p.device)
-    return S0.masked_fill(pad.view(-1, 1, 1, 1), 0.0)
+        return init.to(torch.float32).contiguous()
+    rows, pad = p.plan.cached(("read_rows", p.device), lambda: (
+        torch.tensor([max(s.read, 0) for s in p.spans], dtype=torch.int64, device=p.device),
+        torch.tensor([not s.live for s in p.spans], device=p.device).view(-1, 1, 1, 1)))
+    return init.index_select(0, rows).to(torch.float32).masked_fill(pad, 0.0).contiguous()
 
 
-def finish(p: Problem, pk: Packing, o: torch.Tensor, S: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel results -> the API's (o [B,T,Ho,V] in v's dtype, state in layout).
+def finish(p: Problem, pk: Packing, o: torch.Tensor, S: torch.Tensor | None,
+           token_states: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel results -> the API's (o [B,T,Ho,V] in v's dtype, state in layout and dtype).
 
-    `o` is [N, L, Hv, G, V] float32; `S` [N, Hv, K, V] float32 K-major. With a
-    slab, writes the non-padding rows in place and returns the slab; S None
-    means the kernel already updated the slab where it lies.
+    `o` is [N, L, Hv, G, V] float32; `S` [N, Hv, K, V] float32 K-major; with a
+    speculative plan `token_states` [N, L, Hv, K, V] holds the state after every
+    token. With a slab, stores the final and per-token states of the live
+    sequences in place (`BatchPlan.store`) and returns the slab; S None means
+    the kernel already updated the slab where it lies.
     """
     N, L, Hv, G, V = o.shape
     o = o.reshape(N, L, p.Ho, V)
@@ -208,15 +217,15 @@ def finish(p: Problem, pk: Packing, o: torch.Tensor, S: torch.Tensor | None) -> 
     o = o.to(p.v.dtype)
     if S is None:
         return o, p.initial_state
-    state = S.transpose(-1, -2) if p.state_layout == "vk" else S
+    layout = (lambda x: x.transpose(-1, -2)) if p.state_layout == "vk" else (lambda x: x)  # noqa: E731
     if not p.in_place:
+        state = layout(S).to(p.state_dtype)
         if p.initial_state is not None and state.data_ptr() == p.initial_state.data_ptr():
             state = state.clone()           # no step ran: never hand back the caller's tensor
         return o, state.contiguous()
-    slab = p.initial_state
-    keep = [n for n, s in enumerate(p.spans) if s.slot >= 0]
-    if keep:
-        rows = torch.tensor(keep, dtype=torch.int64, device=p.device)
-        slots = torch.tensor([p.spans[n].slot for n in keep], dtype=torch.int64, device=p.device)
-        slab.index_copy_(0, slots, state.index_select(0, rows))
-    return o, slab
+    if token_states is not None:
+        sequences, tokens, _ = p.plan.token_writes()
+        flat = torch.from_numpy(sequences * L + tokens).to(token_states.device)
+        token_states = layout(token_states.reshape(N * L, Hv, p.K, p.V).index_select(0, flat))
+    p.plan.store(p.initial_state, layout(S), token_states)
+    return o, p.initial_state

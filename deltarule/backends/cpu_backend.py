@@ -58,23 +58,24 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     v = p.v.contiguous()
     g, gk, b, w = _gates(p)
 
-    spans, owner, covered = _span_table(p)
-    o = _empty((p.B, p.T, p.Hv, p.G, p.V), v.dtype, zero=not covered)
+    spans, token_rows, owner = _tables(p)
+    o = _empty((p.B, p.T, p.Hv, p.G, p.V), v.dtype, zero=not p.plan.covered())
     S0 = p.initial_state
     if S0 is not None and p.state_layout == "vk":
         S0 = S0.transpose(-1, -2)                    # a strided [*, Hv, K, V] view, no copy
     if p.in_place:
         S = S0
     else:
-        S = _empty((p.N, p.Hv, p.V, p.K) if p.state_layout == "vk" else (p.N, p.Hv, p.K, p.V), torch.float32)
+        S = _empty((p.N, p.Hv, p.V, p.K) if p.state_layout == "vk" else (p.N, p.Hv, p.K, p.V), p.state_dtype)
         if p.state_layout == "vk":
             S = S.transpose(-1, -2)
     steps = sum(s.length + 1 for s in p.spans) * p.Hv * p.K * p.V
     threads = max(1, min(torch.get_num_threads(), steps // ELEMENT_STEPS_PER_THREAD))
     # a fresh final state goes past the caches (decode B = 8 and 64: 1.5x faster than
     # plain stores, B = 1 no slower); a slab row is read back by the next step
-    cpu_recurrent.recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, owner, p.scale,
-                            p.l2norm_eps if p.qk_l2norm else None, not p.in_place, threads)
+    cpu_recurrent.recurrent(q, k, v, g, gk, b, w, S0, S, o, spans=spans, token_rows=token_rows, owner=owner,
+                            scale=p.scale, l2norm_eps=p.l2norm_eps if p.qk_l2norm else None,
+                            stream_state=not p.in_place, threads=threads)
 
     o = o.view(p.B, p.T, p.Ho, p.V)
     if p.in_place:
@@ -101,30 +102,21 @@ def _gates(p: Problem):
     return g, gk, b, b if same else (None if w is None else w.contiguous())
 
 
-def _span_table(p: Problem):
-    """spans [N, 5] int64 (row, start, end, initial slot, final slot), the
-    token owners [B*T] int32 or None, and whether every token gets an output.
+def _tables(p: Problem):
+    """(spans [N, 5] int64, token_rows [N, L] int64 or None, owner [B*T] int32 or None) for the
+    kernel, kept with the plan. Span rows are (row, start, end, read row, final row): a padding
+    sequence runs no step and reads and writes no state; without `initial_state` nothing is
+    read. owner: the sequence whose output each token keeps (None when sequence n is row n)."""
+    plan, has_init = p.plan, p.initial_state is not None
 
-    A padding sequence (slot < 0) runs no step and touches no state. Where
-    clamped `cu_seqlens` spans overlap, the later sequence owns the output.
-    """
-    rows = []
-    for n, s in enumerate(p.spans):
-        if s.slot < 0:
-            rows.append((s.row, s.start, s.start, -1, -1))
-            continue
-        initial = s.slot if p.initial_state is not None else -1
-        rows.append((s.row, s.start, s.end, initial, s.slot if p.in_place else n))
-    spans = torch.tensor(rows, dtype=torch.int64).view(-1, 5)
-    dense = all(s.slot >= 0 and s.start == 0 and s.end == p.T and s.row == n
-                for n, s in enumerate(p.spans)) and len(p.spans) == p.B
-    if dense:
-        return spans, None, True
-    owner = np.full(p.B * p.T, -1, dtype=np.int32)
-    for n, s in enumerate(p.spans):
-        if s.slot >= 0:
-            owner[s.row * p.T + s.start: s.row * p.T + s.end] = n
-    return spans, torch.from_numpy(owner), bool((owner >= 0).all())
+    def build():
+        rows = [(s.row, s.start, s.end, s.read if has_init else -1, s.final) if s.live
+                else (s.row, s.start, s.start, -1, -1) for s in plan.spans]
+        spans = torch.tensor(rows, dtype=torch.int64).view(-1, 5)
+        token_rows = None if plan.token_rows is None else torch.from_numpy(plan.token_rows.copy())
+        owner = None if plan.dense else torch.from_numpy(plan.owner())
+        return spans, token_rows, owner
+    return plan.cached(("cpu", has_init), build)
 
 
 def _empty(shape, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:

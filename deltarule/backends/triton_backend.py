@@ -18,6 +18,7 @@ before the first call imports the kernel module.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +34,8 @@ SUPPORTS = dict(
     EVERYTHING,
     devices="CUDA tensors (CPU under TRITON_INTERPRET=1)",
     note=(f"prefill longer than {RECURRENT_MAX_LEN} tokens runs chunked (64-token chunks, "
-          "16-token sub-chunks for per-key decay); the slab is updated in place"),
+          "16-token sub-chunks for per-key decay); speculative plans (per-token states) run the "
+          "recurrence at any length; the slab is updated in place"),
 )
 
 
@@ -52,61 +54,85 @@ def available() -> bool:
 def supports(p: Problem) -> str | None:
     if p.device.type != "cuda" and not _interpreting():
         return f"CUDA tensors only (or TRITON_INTERPRET=1), got device {p.device}"
-    if p.max_len > RECURRENT_MAX_LEN:
+    if p.max_len > RECURRENT_MAX_LEN and not p.plan.speculative:
         reason = chunked_supported(p)
         if reason is not None:
             return f"{reason}; the fused recurrence takes at most {RECURRENT_MAX_LEN}"
     return None
 
 
-def flat_spans(p: Problem) -> list[tuple[int, int, int]] | None:
-    """(first token in the flat [B * T] axis, length, slot) of every non-padding sequence, when
-    they are disjoint (the kernels then read and write the caller's token layout directly); None
-    when clamped `cu_seqlens` make spans overlap (then the later one must win: packed path)."""
-    kept = [(s.row * p.T + s.start, max(s.length, 0), s.slot) for s in p.spans if s.slot >= 0]
-    busy = sorted((a, n) for a, n, _ in kept if n > 0)
-    if any(a0 + n0 > a1 for (a0, n0), (a1, _) in zip(busy, busy[1:])):
+@dataclass(frozen=True)
+class Layout:
+    """How the kernels see a call's sequences (kept with its plan, per device).
+
+    packing: the `_prepare.Packing` of the operands (identity: the caller's [B, T] rows);
+    spans: None when the sequences are the rows of [B, T], else (first token, length) per
+        sequence the kernels run, in their flat token axis;
+    rows: the slab row each of those sequences reads (negative: padding), as a device
+        tensor, None without a slab;
+    token_rows: their per-token store rows [n, L] (speculative plans), else None.
+    """
+
+    packing: _prepare.Packing
+    spans: list | None
+    rows: torch.Tensor | None
+    token_rows: torch.Tensor | None
+
+
+def flat_spans(plan) -> list[tuple[int, int, int]] | None:
+    """(first token in the flat [B * T] axis, length, sequence) of every live sequence, when
+    they are disjoint (the kernels then read and write the caller's token layout directly);
+    None when clamped `cu_seqlens` make spans overlap (then the later one must win: packed)."""
+    if plan.overlapping():
         return None
-    return kept
+    return [(s.row * plan.T + s.start, s.length, n) for n, s in enumerate(plan.spans) if s.live]
 
 
-def token_layout(p: Problem, packed: bool = False) -> tuple[_prepare.Packing, list | None, list[int]]:
-    """(packing, spans, slots) of a call. spans: None when the sequences are the rows of
-    [B, T], else (first token, length) per sequence in the kernels' flat token axis; slots:
-    the slab row (or sequence index; negative: padding) of each sequence the kernels run.
+def token_layout(p: Problem, packed: bool = False) -> Layout:
+    """The call's `Layout`, built once per plan, device and `packed`.
 
     Varlen / ragged / padded batches with disjoint spans run unpacked: the kernels address
     the spans of the [B * T] token axis (chunk indices computed once). Clamped cu_seqlens
     whose spans overlap (or `packed`) are packed into [N, L] rows, each run for its own
     length only: the kernels fuse the raw-gate arm, so a padded step would not be identity.
     """
-    identity = not p.varlen and all(s.slot >= 0 for s in p.spans)
-    flat = None if identity or packed else flat_spans(p)
-    if flat is not None:
-        return _prepare.Packing(L=p.T, identity=True), [(a, n) for a, n, _ in flat], [slot for *_, slot in flat]
-    pk = _prepare.Packing(L=p.T, identity=True) if identity and not packed else _prepare.pack(p)
-    slots = [s.slot for s in p.spans]
-    if pk.identity:
-        return pk, None, slots
-    return pk, [(n * pk.L, max(s.length, 0)) for n, s in enumerate(p.spans)], slots
+    plan, device = p.plan, p.device
+
+    def build():
+        flat = None if plan.dense or packed else flat_spans(plan)
+        if flat is not None:
+            pk = _prepare.Packing(L=plan.T, identity=True)
+            spans, run = [(a, n) for a, n, _ in flat], [m for *_, m in flat]
+        else:
+            pk = _prepare.Packing(L=plan.T, identity=True) if plan.dense and not packed else _prepare.pack(p)
+            spans = None if pk.identity else [(n * pk.L, s.length) for n, s in enumerate(plan.spans)]
+            run = list(range(plan.N))
+        as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+        rows = as_t([plan.spans[m].read for m in run]) if plan.in_place else None
+        tok = None
+        if plan.speculative:
+            tok = torch.from_numpy(plan.token_rows[run]).to(device).reshape(len(run), plan.token_rows.shape[1])
+        return Layout(pk, spans, rows, tok)
+    return plan.cached(("triton", device, packed), build)
 
 
 def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     from ..kernels.triton_recurrent import recurrent
 
-    pk, spans, slots = token_layout(p)
-    x = _prepare.raw_operands(p, pk)
-    idx = None
-    if p.in_place:                                        # slab rows, -1 for padding: updated in place
-        idx = torch.tensor(slots, dtype=torch.int64, device=p.device)
-    kernel = recurrent
-    if p.max_len > RECURRENT_MAX_LEN:
-        from ..kernels.triton_chunked import chunked as kernel
-    o, S = kernel(x.q, x.k, x.v, x.g, x.gk, x.b, x.w, p.initial_state, p.scale,
-                  A_log=p.A_log, dt_bias=p.dt_bias, beta_sigmoid=p.beta_sigmoid,
-                  l2norm_eps=p.l2norm_eps if p.qk_l2norm else None,
-                  state_indices=idx, state_layout=p.state_layout, spans=spans)
+    lay = token_layout(p)
+    x = _prepare.raw_operands(p, lay.packing)
+    args = (x.q, x.k, x.v, x.g, x.gk, x.b, x.w, p.initial_state, p.scale)
+    flags = dict(A_log=p.A_log, dt_bias=p.dt_bias, beta_sigmoid=p.beta_sigmoid,
+                 l2norm_eps=p.l2norm_eps if p.qk_l2norm else None,
+                 state_indices=lay.rows, state_layout=p.state_layout, spans=lay.spans)
+    # per-token states (speculative plans) are only formed by the recurrence, whatever the length
+    if p.max_len <= RECURRENT_MAX_LEN or p.plan.speculative:
+        o, S = recurrent(*args, token_rows=lay.token_rows, **flags)
+    else:
+        from ..kernels.triton_chunked import chunked
+
+        o, S = chunked(*args, **flags)
     if p.in_place:
-        return _prepare.finish(p, pk, o, None)
+        return _prepare.finish(p, lay.packing, o, None)
     # a new state in the caller's layout; finish takes a K-major view
-    return _prepare.finish(p, pk, o, S if p.state_layout == "kv" else S.transpose(-1, -2))
+    return _prepare.finish(p, lay.packing, o, S if p.state_layout == "kv" else S.transpose(-1, -2))

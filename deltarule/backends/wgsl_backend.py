@@ -3,13 +3,16 @@
 Inputs are torch tensors (any device) copied to the WebGPU device in their
 own dtype; the fused recurrence (`deltarule/kernels/wgsl/`) applies the
 raw-gate arm, beta_sigmoid and the L2 norm in the shader. The state runs in
-place in one device buffer: a copy of `initial_state` (or zeros), the
-gathered rows of a torch slab, or a `WgslStateSlab` that never leaves the
-device. Outputs come back to `q`'s device as torch tensors.
+place in one float32 device buffer: a copy of `initial_state` (or zeros), the
+gathered read rows of a torch slab (plus one row per per-token store of a
+speculative plan), or a `WgslStateSlab` that never leaves the device. 16-bit
+torch states are widened on the way up and rounded to nearest even on the
+way back. Outputs come back to `q`'s device as torch tensors.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..problem import Problem
@@ -20,10 +23,11 @@ DESCRIPTION = "WGSL compute shaders through WebGPU (wgpu): fused recurrence, dev
 SUPPORTS = dict(
     EVERYTHING,
     dtypes="float32, float16, bfloat16 inputs (16-bit read as packed words: no shader-f16 needed); "
-           "float32 state",
+           "float32 state in the shader (bfloat16 / float16 torch states converted on the host)",
     devices="any WebGPU adapter (Vulkan, Metal, D3D12; lavapipe on CPU); torch tensors on any device "
             "are copied to it, a WgslStateSlab stays there",
-    note="prefill runs the fused recurrence (no chunked form yet); not in auto's order",
+    note="prefill runs the fused recurrence (no chunked form yet); speculative plans up to "
+         "32768 tokens per sequence; not in auto's order",
 )
 
 
@@ -40,10 +44,12 @@ def supports(p: Problem) -> str | None:
     need = recurrent.bindings_needed(p)
     if need > gpu.max_storage_buffers:
         return f"needs {need} storage buffers per shader stage, the adapter allows {gpu.max_storage_buffers}"
-    live = sum(s.slot >= 0 for s in p.spans)
+    live = sum(s.live for s in p.spans)
     if live > gpu.max_workgroups:
         return f"{live} sequences: more than the adapter's {gpu.max_workgroups} workgroups per dimension"
-    state_rows = p.initial_state.shape[0] if p.in_place else p.N
+    if p.plan.speculative and p.max_len > recurrent.SEGMENT:
+        return f"a speculative plan with a sequence longer than {recurrent.SEGMENT} tokens (one dispatch each)"
+    state_rows = _buffer_rows(p)
     largest = 4 * max(p.B * p.T * p.Ho * p.V, p.B * p.T * p.Hq * p.K, state_rows * p.Hv * p.K * p.V)
     if largest > gpu.max_binding_bytes:
         return f"a {largest}-byte buffer: more than the adapter's {gpu.max_binding_bytes}-byte binding limit"
@@ -52,29 +58,57 @@ def supports(p: Problem) -> str | None:
     return None
 
 
+def _buffer_rows(p: Problem) -> int:
+    """Rows of the device state buffer: the slab's (a device slab), the live read rows plus the
+    per-token stores (a torch slab), or one per sequence."""
+    if p.in_place:
+        if not isinstance(p.initial_state, torch.Tensor):
+            return p.initial_state.shape[0]
+        return sum(s.live for s in p.spans) + len(p.plan.token_writes()[2])
+    return p.N
+
+
 def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     from ..kernels.wgsl import WgslStateSlab, _device, recurrence
+    from ..kernels.wgsl.recurrent import NO_ROW
 
-    init = p.initial_state
-    live = [s for s in p.spans if s.slot >= 0]
+    init, plan = p.initial_state, p.plan
+    live = [n for n, s in enumerate(p.spans) if s.live]
+    # a live sequence without tokens stores nothing: it reads no row either (another may write it)
+    reads = [p.spans[n].read if p.spans[n].length or not plan.speculative else NO_ROW for n in live]
     if isinstance(init, WgslStateSlab):
-        o = recurrence(p, init.buffer, [s.slot for s in live])
+        token_rows = plan.token_rows[live] if plan.speculative else None
+        o = recurrence(p, init.buffer, reads, token_rows)
         return _finish(p, o), init
     tail = (p.Hv, p.K, p.V) if p.state_layout == "kv" else (p.Hv, p.V, p.K)
-    if p.in_place:                       # a torch slab: run on a device copy of the live rows
-        slots = torch.tensor([s.slot for s in live], dtype=torch.int64, device=init.device)
-        state = _device.upload(init.index_select(0, slots))
+    rows = _buffer_rows(p)
+    if p.in_place:
+        # a torch slab: run on a float32 device copy of the live read rows, then one row per store
+        read_rows = torch.tensor([p.spans[n].read for n in live], dtype=torch.int64, device=init.device)
+        gathered = init.index_select(0, read_rows).to(torch.float32)
+        stores = torch.zeros(rows - len(live), *tail)
+        state = _device.upload(torch.cat([gathered.cpu(), stores]))
+        token_rows = None
+        if plan.speculative:
+            token_rows = np.full(plan.token_rows[live].shape, NO_ROW, dtype=np.uint32)
+            where = {n: i for i, n in enumerate(live)}
+            sequences, tokens, _ = plan.token_writes()
+            for j, (n, t) in enumerate(zip(sequences.tolist(), tokens.tolist())):
+                token_rows[where[n], t] = len(live) + j
+        o = recurrence(p, state, [i if r != NO_ROW else NO_ROW for i, r in enumerate(reads)], token_rows)
     else:
-        state = _device.upload(init) if init is not None else _device.zeros(p.N * _numel(tail) * 4)
-    rows = len(live) if p.in_place else p.N
-    o = recurrence(p, state, list(range(rows)) if p.in_place else [s.slot for s in live])
+        upload = init.to(torch.float32) if init is not None else None
+        state = _device.upload(upload) if upload is not None else _device.zeros(p.N * _numel(tail) * 4)
+        o = recurrence(p, state, [p.spans[n].read for n in live])
     nbytes = rows * _numel(tail) * 4
     final = (torch.frombuffer(bytearray(_device.download(state, nbytes)), dtype=torch.float32)
              if nbytes else torch.zeros(0)).view(rows, *tail).to(p.device)
     if not p.in_place:
-        return _finish(p, o), final
-    if live:                             # only after the dispatch succeeded: a failed call leaves the slab
-        init.index_copy_(0, slots, final)
+        return _finish(p, o), final.to(p.state_dtype)
+    # only after the dispatch succeeded: a failed call leaves the slab as it was
+    finals = torch.zeros(p.N, *tail, device=p.device)
+    finals[live] = final[: len(live)]
+    plan.store(init, None if plan.speculative else finals, final[len(live):])
     return _finish(p, o), init
 
 

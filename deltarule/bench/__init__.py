@@ -20,7 +20,7 @@ from importlib import metadata
 
 import torch
 
-from .. import ContractError, Unsupported, __version__, linear_attention
+from .. import ContractError, Unsupported, __version__, linear_attention, plan_batch
 from ..backends import names as backend_names
 from ..cases import DTYPES, bench_cases, make_inputs
 from . import report
@@ -140,15 +140,26 @@ def run_case(case: dict, args: argparse.Namespace, absent: dict, progress: "_Pro
 
 
 def _time_deltarule(case: dict, inputs: dict, args) -> tuple[dict, tuple | None]:
-    """deltarule's entry and its warm-up (output, state), or None if it failed."""
+    """deltarule's entry and the (output, state) the peers are checked against, or None if it
+    failed. A slab call is checked on a copy of the slab (the timed calls keep updating it),
+    with the state being the rows it wrote; `plan` cases build their plan outside the timing."""
     try:
-        timing = measure(lambda: linear_attention(**inputs, backend=args.backend),
-                         args.repeat, args.budget)
+        call = dict(inputs)
+        if case.get("plan"):
+            call["plan"] = plan_batch(*inputs["q"].shape[:2], **{
+                n: call.pop(n) for n in ("cu_seqlens", "seq_lens", "state_indices", "num_accepted_tokens")
+                if n in call})
+        reference = None
+        if "state_indices" in inputs:
+            o, slab = linear_attention(**dict(inputs, initial_state=inputs["initial_state"].clone()),
+                                       backend=args.backend)
+            reference = (o, slab[inputs["state_indices"].reshape(-1)])
+        timing = measure(lambda: linear_attention(**call, backend=args.backend), args.repeat, args.budget)
     except (ContractError, Unsupported, RuntimeError, MemoryError) as e:
         return {"status": "error", "reason": _one_line(e)}, None
     entry = _times(timing)
     entry.update(report.throughput(case, timing.median))
-    return entry, timing.result
+    return entry, reference or timing.result
 
 
 def _time_peer(peer, case: dict, inputs: dict, reference: tuple, dr_ms: float, args) -> dict:

@@ -44,11 +44,12 @@ class Prepared:
 
 
 def _shared_limits(inputs: dict) -> str | None:
-    """Features of the deltarule contract that no peer here expresses."""
+    """Features of the deltarule contract that no peer here expresses (a 1-D slab and a
+    16-bit state are handed to the peers as a float32 state: `plain_state`)."""
     if "cu_seqlens" in inputs or "seq_lens" in inputs:
         return "varlen (cu_seqlens / seq_lens) not supported"
-    if "state_indices" in inputs:
-        return "state slab (state_indices) not supported"
+    if "state_indices" in inputs and inputs["state_indices"].dim() == 2:
+        return "per-token states (speculative decoding, 2-D state_indices) not supported"
     if inputs.get("state_layout", "kv") != "kv":
         return "state layout 'vk' not supported"
     if "A_log" in inputs:
@@ -58,6 +59,22 @@ def _shared_limits(inputs: dict) -> str | None:
     if "g" in inputs and "gk" in inputs:
         return "scalar g together with per-key gk not supported"
     return None
+
+
+def plain_state(inputs: dict) -> tuple[dict, str | None]:
+    """The peer's view of a call with a slab or a 16-bit state: the slab rows the
+    sequences read, gathered (outside the timing) into a float32 [N, Hv, K, V] state,
+    and a note saying so; other calls unchanged."""
+    state = inputs.get("initial_state")
+    if state is None or (state.dtype == torch.float32 and "state_indices" not in inputs):
+        return inputs, None
+    plain = dict(inputs)
+    note = f"{state.dtype} state widened to float32 (no 16-bit state)" if state.dtype != torch.float32 else None
+    if "state_indices" in plain:
+        state = state[plain.pop("state_indices")]
+        note = "slab rows gathered into a float32 state outside the timing (no slab)"
+    plain["initial_state"] = state.to(torch.float32).contiguous()
+    return plain, note
 
 
 def _heads(inputs: dict) -> tuple[int, int, int]:
@@ -96,6 +113,7 @@ class TransformersPeer:
         reason = _shared_limits(inputs) or self._limits(inputs)
         if reason:
             raise Skip(reason)
+        inputs, note = plain_state(inputs)
         fn = self._function(case, inputs)
         args = [inputs[n] for n in ("q", "k", "v")]
         args += [inputs["gk"] if "gk" in inputs else inputs["g"], inputs["beta"]]
@@ -106,7 +124,8 @@ class TransformersPeer:
         }
         if case["kind"] == "prefill":
             kwargs["chunk_size"] = inputs.get("chunk_size", 64)
-        return Prepared(run=lambda: fn(*args, **kwargs), unpack=lambda r: (r[0], r[1]))
+        return Prepared(run=lambda: fn(*args, **kwargs), unpack=lambda r: (r[0], r[1]),
+                        note=note and f"transformers: {note}")
 
     @staticmethod
     def _limits(inputs: dict) -> str | None:
@@ -202,7 +221,9 @@ class OrtPeer:
         reason = _shared_limits(inputs) or self._limits(inputs)
         if reason:
             raise Skip(reason)
+        inputs, state_note = plain_state(inputs)
         feeds, q_heads, note = self._feeds(inputs)
+        notes = [n for n in (state_note and f"onnxruntime: {state_note}", note) if n]
         session = self._session(inputs, feeds, q_heads)
         B, T = inputs["q"].shape[:2]
         V = inputs["v"].shape[-1]
@@ -211,7 +232,7 @@ class OrtPeer:
             out, state = result
             return torch.from_numpy(out).reshape(B, T, -1, V), torch.from_numpy(state)
 
-        return Prepared(run=lambda: session.run(None, feeds), unpack=unpack, note=note)
+        return Prepared(run=lambda: session.run(None, feeds), unpack=unpack, note="; ".join(notes) or None)
 
     def _limits(self, inputs: dict) -> str | None:
         if inputs["q"].dtype not in self._ELEM:

@@ -5,9 +5,10 @@ from __future__ import annotations
 FLOP_MODEL = (
     "GFLOP/s counts per token per state head: prefill, the chunked model "
     "6*K*V + C*(5K+3V) + C^2/3 (C = chunk_size; ~165 kFLOP at K=V=128, C=64); "
-    "decode, the recurrent model 7*K*V (docs: ALGORITHM.md, last section)"
+    "decode and verify, the recurrent model 7*K*V (docs/algorithm.md, section 6)"
 )
-BYTES_MODEL = ("GB/s (decode): state bytes read + written, 2*N*Hv*K*V*4 per token step; "
+BYTES_MODEL = ("GB/s (decode, verify): state bytes read + written, (1 + stores)*N*Hv*K*V*e per call "
+               "(one read per sequence; stores = 1 for decode, T for verify; e = 4, or 2 for a 16-bit state); "
                "copy: that as a share of the copy bandwidth measured at the start of the run")
 RATIO_NOTE = "ratio = peer time / deltarule time: >1 means deltarule is faster"
 
@@ -15,7 +16,7 @@ RATIO_NOTE = "ratio = peer time / deltarule time: >1 means deltarule is faster"
 def flops(case: dict) -> float:
     """FLOPs of one call under the model quoted in FLOP_MODEL."""
     K, V = case["K"], case["V"]
-    if case["kind"] == "decode":
+    if case["kind"] in ("decode", "verify"):
         per_token = 7 * K * V
     else:
         C = case.get("chunk_size", 64)
@@ -24,16 +25,20 @@ def flops(case: dict) -> float:
 
 
 def state_bytes(case: dict) -> float:
-    """Bytes of float32 state read and written by one call, token by token."""
-    return 2 * case["B"] * case["Hv"] * case["K"] * case["V"] * 4 * case["T"]
+    """Bytes of state read and written by one decode or verify call: each sequence's state
+    read once, then stored once (decode) or after each of its T tokens (verify)."""
+    element = 2 if case.get("state_dtype") in ("bfloat16", "float16") else 4
+    stores = case["T"] if case["kind"] == "verify" else 1
+    return (1 + stores) * case["B"] * case["Hv"] * case["K"] * case["V"] * element
 
 
 def throughput(case: dict, seconds: float) -> dict:
-    """tokens/s, GFLOP/s and (decode only) GB/s at a given time per call."""
+    """tokens/s, GFLOP/s and (decode, verify) GB/s at a given time per call."""
+    memory_bound = case["kind"] in ("decode", "verify")
     return {
         "tokens_per_s": case["B"] * case["T"] / seconds,
         "gflop_per_s": flops(case) / seconds / 1e9,
-        "gb_per_s": state_bytes(case) / seconds / 1e9 if case["kind"] == "decode" else None,
+        "gb_per_s": state_bytes(case) / seconds / 1e9 if memory_bound else None,
     }
 
 

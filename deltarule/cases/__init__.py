@@ -41,8 +41,9 @@ def make_inputs(case: dict, dtype: str = "float32", device: str | torch.device =
     """Keyword arguments of `linear_attention` for a test or bench case.
 
     q, k, v and the gates are drawn in float32 from `case["seed"]`, then cast
-    to `dtype`; the state and the raw-gate parameters stay float32. Keys are
-    L2-normalised unless the case asks for `qk_l2norm` (then they are raw).
+    to `dtype`; the raw-gate parameters stay float32, the state is float32 or
+    the case's `state_dtype`. Keys are L2-normalised unless the case asks for
+    `qk_l2norm` (then they are raw).
     """
     gen = torch.Generator().manual_seed(int(case.get("seed", 0)))
     B, T, Hq, Hk, Hv, K, V = (case[x] for x in ("B", "T", "Hq", "Hk", "Hv", "K", "V"))
@@ -68,6 +69,10 @@ def make_inputs(case: dict, dtype: str = "float32", device: str | torch.device =
         args["g"] = randn(B, T, Hv) if raw_gate else uniform(lo, hi, B, T, Hv)
     if decay in ("gk", "g+gk"):
         args["gk"] = randn(B, T, Hv, K) if raw_gate else uniform(lo, hi, B, T, Hv, K)
+    for t in case.get("decay_resets", []):          # a log decay of -inf: the state restarts at token t
+        for name in ("g", "gk"):
+            if name in args:
+                args[name][:, t] = float("-inf")
     if raw_gate:
         args["A_log"] = uniform(-1.0, 1.0, Hv)
         args["dt_bias"] = uniform(-1.0, 1.0, *((Hv,) if "g" in args else (Hv, K)))
@@ -88,9 +93,9 @@ def make_inputs(case: dict, dtype: str = "float32", device: str | torch.device =
     if case.get("initial_state", False):
         rows = case.get("num_slots", N) if case.get("state_indices") is not None else N
         shape = (rows, Hv, K, V) if layout == "kv" else (rows, Hv, V, K)
-        args["initial_state"] = randn(*shape) * 0.5
+        args["initial_state"] = (randn(*shape) * 0.5).to(DTYPES[case.get("state_dtype", "float32")])
     args["state_layout"] = layout
-    for name in ("cu_seqlens", "seq_lens", "state_indices"):
+    for name in ("cu_seqlens", "seq_lens", "state_indices", "num_accepted_tokens"):
         if case.get(name) is not None:
             args[name] = torch.tensor(case[name], dtype=torch.int32)
     for name in ("scale", "chunk_size", "l2norm_eps"):

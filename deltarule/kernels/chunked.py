@@ -1,4 +1,4 @@
-"""Chunked (WY / UT-transform) prefill in torch ops, see ../shared/ALGORITHM.md.
+"""Chunked (WY / UT-transform) prefill in torch ops, see docs/algorithm.md.
 
 Per chunk of C tokens with cumulative log decay G (from the chunk start):
 
@@ -12,7 +12,10 @@ products and a decay per chunk, and the group's outputs are one batched
 product afterwards. With per-key decay, A and M come from a recursive-halving
 block factorisation (`_pairwise_per_key`).
 Every exponent is a difference G_r - G_s with r >= s (never exp of an unbounded
-cumulative sum). Memory is bounded by the group size, linear in T overall.
+cumulative sum). A log decay of -inf (a state reset) would make such a
+difference -inf - -inf = NaN: log decays are clamped at LOG_DECAY_FLOOR first,
+whose exp is 0 in float32 as well, so a reset still zeroes everything before it.
+Memory is bounded by the group size, linear in T overall.
 
 Compute only: token-major operands as described in
 `deltarule.backends._prepare`; no validation.
@@ -24,6 +27,9 @@ import torch
 import torch.nn.functional as F
 
 GROUP_ELEMENTS = 1 << 22      # float32 elements of temporaries per chunk group (~16 MB, cache-sized)
+# The lowest log decay a chunked form uses: exp(-110) is 0 in float32 (below half the smallest
+# denormal), so the clamp changes no decay factor, and differences of cumulative sums stay finite.
+LOG_DECAY_FLOOR = -110.0
 
 
 def chunked(q, k, v, lam, b, w, S, scale: float, chunk_size: int):
@@ -43,6 +49,8 @@ def chunked(q, k, v, lam, b, w, S, scale: float, chunk_size: int):
     NC = -(-L // C)
     if lam is None:                                  # no decay: G = 0 (keeps one code path)
         lam = k.new_zeros(N, L, H)
+    else:
+        lam = lam.clamp_min(LOG_DECAY_FLOOR)
 
     per_chunk = N * H * (C * (4 * K + 3 * V + (G + 2) * C) + K * V
                          + (2 * C * K * (G + 2) if per_key else 0))

@@ -1,7 +1,7 @@
 """Token-by-token recurrence in torch ops (decode and short sequences).
 
 Everything a step needs comes from the old state in one product
-(ALGORITHM.md, "Decode"): with D = diag(exp(lam)),
+(docs/algorithm.md, "Decode"): with D = diag(exp(lam)),
 
     [r; p] = [exp(lam) * b * k; exp(lam) * q] S     (r = S'^T (b k), p = S'^T q)
     u = w * v - r
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 
-def recurrent(q, k, v, lam, b, w, S, scale: float):
+def recurrent(q, k, v, lam, b, w, S, scale: float, keep_states: bool = False):
     """Run L steps of the generalized recurrence for all N x H heads at once.
 
     Args:
@@ -27,15 +27,18 @@ def recurrent(q, k, v, lam, b, w, S, scale: float):
         b: None | [N, L, H] | [N, L, H, K] erase gate; w: None | [N, L, H] |
             [N, L, H, V] write gate (both None for the rules without retrieval).
         S: [N, H, K, V] float32 initial state (not modified).
+        keep_states: also return the state after every step (speculative decoding).
 
     Returns:
-        o [N, L, H, G, V] float32 and the final state [N, H, K, V].
+        o [N, L, H, G, V] float32, the final state [N, H, K, V], and with
+        `keep_states` the states after each step [N, L, H, K, V] (else None).
     """
     q, k, v = q.float(), k.float(), v.float()
     N, L, Hk, K = k.shape
     H, V = v.shape[2], v.shape[3]
     G = q.shape[3]
     o = q.new_empty(N, L, H, G, V)
+    states = q.new_empty(N, L, H, K, V) if keep_states else None
     for t in range(L):
         k_t = _heads(k[:, t], H)                                   # [N, H, K]
         q_t = _heads(q[:, t], H)                                   # [N, H, G, K]
@@ -63,7 +66,9 @@ def recurrent(q, k, v, lam, b, w, S, scale: float):
         # S = D S + k u^T: a new tensor on the first step (S is the caller's), then in place
         S = S * decay.unsqueeze(-1) if decay is not None else (S.clone() if t == 0 else S)
         S.view(N * H, K, V).baddbmm_(k_t.reshape(N * H, K, 1), u.reshape(N * H, 1, V))
-    return o, S
+        if keep_states:
+            states[:, t] = S
+    return o, S, states
 
 
 def _heads(x, H):

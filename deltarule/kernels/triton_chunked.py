@@ -1,4 +1,4 @@
-"""Chunked (WY / UT-transform) prefill in Triton, see ../shared/ALGORITHM.md.
+"""Chunked (WY / UT-transform) prefill in Triton, see docs/algorithm.md.
 
 Every gate form: scalar log decay g [N, L, H], per-key gk [N, L, H, K], both
 (lam = g + gk) or none; scalar beta (b is w, [N, L, H]) or channel-wise erase
@@ -34,7 +34,9 @@ very different lengths cost no padding.
 3. `_output_kernel`, grid (chunks, cdiv(V, BV), heads): O for the G query
    rows of the state head.
 
-Numerical safety: no exponent is ever positive. With scalar decay every
+Numerical safety: no exponent is ever positive, and log decays are clamped at
+LOG_DECAY_FLOOR (a -inf reset would give -inf - -inf = NaN in the differences
+below; exp of the floor is 0 in float32 too). With scalar decay every
 exponent is a difference G_r - G_s with r >= s, masked before `exp`. With
 per-key decay (`_pairwise_per_key`) the chunk is cut into sub-chunks of
 BC = 16 tokens: a block of rows r in sub-chunk i against columns s in an
@@ -63,11 +65,13 @@ import torch
 import triton
 import triton.language as tl
 
+from . import chunked as chunked_torch
 from .triton_common import (dot, dot_dtype, gate_flags, l2norm_rows, load_state_tile, new_state, raw_log_decay,
                             state_strides, store_state_tile, update_gate)
 
 CHUNK = 64
 SUB = 16
+LOG_DECAY_FLOOR = tl.constexpr(chunked_torch.LOG_DECAY_FLOOR)
 
 
 @triton.jit
@@ -109,11 +113,12 @@ def _seq_coords(i_n, seq, L, NC, VARLEN: tl.constexpr):
 
 @triton.jit
 def _scalar_log_decay(g, A, dtb, o_th, i_h, m_t, RAW: tl.constexpr):
-    """[BT] scalar log decay of the chunk's rows (zero on masked rows), the raw-gate arm applied."""
+    """[BT] scalar log decay of the chunk's rows (zero on masked rows), the raw-gate arm applied,
+    clamped at LOG_DECAY_FLOOR."""
     b_g = tl.load(g + o_th, mask=m_t, other=0.0).to(tl.float32)
     if RAW:
         b_g = tl.where(m_t, raw_log_decay(b_g, tl.load(A + i_h).to(tl.float32), tl.load(dtb + i_h).to(tl.float32)), 0.0)
-    return b_g
+    return tl.maximum(b_g, LOG_DECAY_FLOOR)
 
 
 @triton.jit
@@ -218,7 +223,7 @@ def _cumsum_kernel(g, gk, A, dtb, gc, seq, chunks, L, NC, H, K,
         b_l = tl.where(m_tk, raw_log_decay(b_l, tl.load(A + i_h).to(tl.float32), b_dtb[None, :]), 0.0)
     if HAS_G:
         b_l += tl.load(g + o_th, mask=o_t < n_len, other=0.0).to(tl.float32)[:, None]
-    tl.store(gc + p, tl.cumsum(b_l, axis=0), mask=m_tk)
+    tl.store(gc + p, tl.cumsum(tl.maximum(b_l, LOG_DECAY_FLOOR), axis=0), mask=m_tk)
 
 
 @triton.jit
@@ -357,7 +362,10 @@ def _state_kernel(
             else:
                 b_l = _scalar_log_decay(g, A, dtb, o_th, i_h, m_t, RAW)
                 b_g = tl.cumsum(b_l, axis=0)
-                b_gl = tl.sum(b_l, axis=0)
+                # G at the chunk's end as the cumsum has it (not a separate sum: its rounding differs,
+                # which a large |G| after a clamped reset would turn into a visible error)
+                i_end = tl.minimum(n_len - i_c * BT, BT) - 1
+                b_gl = tl.sum(tl.where(o_r == i_end, b_g, 0.0), axis=0)
                 b_k = b_k * tl.exp(b_gl - b_g)[:, None]
                 b_s = b_s * tl.exp(b_gl)
         b_s = b_s + dot(tl.trans(b_k), b_u, DT)

@@ -76,27 +76,31 @@ def load_state_tile(S0, i_row, i_h, s_n, s_h, s_k, s_v, o_k, o_v, m_row, HAS_INI
     return b_s
 
 
-@triton.jit
-def store_state_tile(S, b_s, i_row, i_h, s_n, s_h, s_k, s_v, o_k, o_v, m_row):
-    """Store a [BK, BV] state tile at slot i_row, head i_h through element strides; m_row as
-    in `load_state_tile` (a padding row is never written)."""
-    p_s = S + i_row * s_n + i_h * s_h + o_k[:, None] * s_k + o_v[None, :] * s_v
-    tl.store(p_s, b_s, mask=m_row)
-
-
 # Triton's interpreter (3.9) multiplies bfloat16 blocks as their raw bits, and truncates where a
 # GPU rounds to nearest even. Under it `dot` takes the float32 product of the blocks rounded to
 # bfloat16 by `_round_to_bfloat16` instead: the GPU's result up to the order of the float32 sums
-# (the product of two bfloat16 values, 8-bit significands, is exact in float32).
+# (the product of two bfloat16 values, 8-bit significands, is exact in float32); a bfloat16
+# state store rounds the same way first (float16 casts already round to nearest even there).
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
 def _round_to_bfloat16(x):
-    """float32 x rounded to the nearest bfloat16 value, ties to even, kept as float32."""
+    """float32 x rounded to the nearest bfloat16 value, ties to even, kept as float32 (NaN stays NaN)."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def store_state_tile(S, b_s, i_row, i_h, s_n, s_h, s_k, s_v, o_k, o_v, m_row):
+    """Store a float32 [BK, BV] state tile at slot i_row, head i_h through element strides, in S's
+    dtype (float32, or bfloat16 / float16 rounded to nearest even); m_row as in `load_state_tile`
+    (a padding row is never written)."""
+    p_s = S + i_row * s_n + i_h * s_h + o_k[:, None] * s_k + o_v[None, :] * s_v
+    if _INTERPRETED and S.dtype.element_ty == tl.bfloat16:
+        b_s = _round_to_bfloat16(b_s)
+    tl.store(p_s, b_s.to(S.dtype.element_ty), mask=m_row)
 
 
 @triton.jit
@@ -127,11 +131,12 @@ def state_strides(x, layout: str):
 
 
 def new_state(S0, state_indices, N: int, H: int, K: int, V: int, layout: str, device):
-    """The state buffer the kernels write: S0 itself for a slab (in place), else a new one."""
+    """The state buffer the kernels write: S0 itself for a slab (in place), else a new one in
+    S0's dtype (float32 without S0)."""
     if state_indices is not None:
         return S0
     shape = (N, H, K, V) if layout == "kv" else (N, H, V, K)
-    return torch.empty(shape, dtype=torch.float32, device=device)
+    return torch.empty(shape, dtype=torch.float32 if S0 is None else S0.dtype, device=device)
 
 
 def gate_flags(g, gk, b, w, A_log) -> dict:

@@ -12,8 +12,12 @@ and stores the state once at the end. Columns of the state are independent,
 so value tiles need no communication.
 
 The state is read from, and written to, wherever it lies: any strides (a
-K-major or V-major state), optionally at slab rows `state_indices[n]` (a
-negative index is padding: that row is never touched), in place.
+K-major or V-major state, float32, bfloat16 or float16 storage; float32 in
+registers), optionally at slab rows `state_indices[n]` (a negative index is
+padding: that row is never touched), in place. Speculative decoding
+(`token_rows`): the state after token t is stored into row token_rows[n, t]
+as soon as it is formed, and no final state is stored; the read at the start
+precedes every store of the program, so a sequence may rewrite its read row.
 
 The input preprocessing is fused in (`triton_common`): the raw-gate arm
 (A_log, dt_bias), `beta_sigmoid` and `qk_l2norm` are applied to each token's
@@ -38,10 +42,11 @@ from .triton_common import (gate_flags, l2norm_vector, load_state_tile, new_stat
 
 @triton.jit
 def _recurrent_kernel(
-    q, k, v, g, gk, A, dtb, b, w, S0, S, o, idx, seq,
-    scale, eps, L, H, Hq, Hk, K, V,
+    q, k, v, g, gk, A, dtb, b, w, S0, S, o, idx, tok, seq,
+    scale, eps, L, H, Hq, Hk, K, V, W,
     s0_n, s0_h, s0_k, s0_v, s_n, s_h, s_k, s_v,
     G: tl.constexpr, VARLEN: tl.constexpr, HAS_INIT: tl.constexpr, HAS_INDEX: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr,
     HAS_G: tl.constexpr, HAS_GK: tl.constexpr, RAW: tl.constexpr,
     HAS_ERASE: tl.constexpr, ERASE_PER_KEY: tl.constexpr,
     HAS_WRITE: tl.constexpr, WRITE_PER_VALUE: tl.constexpr,
@@ -59,9 +64,11 @@ def _recurrent_kernel(
     written once at the end to S, both addressed by element strides (slot,
     head, key, value), so K-major and V-major states alike, at row idx[n]
     (HAS_INDEX: a slab; a negative row is a padding sequence: nothing read
-    or written) or n. S may be S0 itself (in place: each program touches only
-    its own tile). VARLEN: sequence n is the span seq[n, 0] .. + seq[n, 1] of
-    the flat token axis (no packing); else tokens n * L .. + L.
+    or written) or n. TOKEN_ROWS: instead of the final store, the state after
+    token t is stored at row tok[n * W + t] (negative: not stored). S may be
+    S0 itself (in place: each program reads its own tile before it stores
+    it). VARLEN: sequence n is the span seq[n, 0] .. + seq[n, 1] of the flat
+    token axis (no packing); else tokens n * L .. + L.
     """
     i_v = tl.program_id(0).to(tl.int64)
     i_nh = tl.program_id(1).to(tl.int64)
@@ -134,13 +141,18 @@ def _recurrent_kernel(
             b_o = scale * (tl.sum((b_d * b_q)[:, None] * b_s, axis=0) + tl.sum(b_k * b_q) * b_u)
             tl.store(p_o, b_o, mask=m_v)
         b_s = b_d[:, None] * b_s + b_k[:, None] * b_u[None, :]
+        if TOKEN_ROWS:
+            i_w = tl.load(tok + i_n * W + t).to(tl.int64)
+            m_w = m_row & ((o_k * 0 + i_w) >= 0)[:, None]
+            store_state_tile(S, b_s, i_w, i_h, s_n, s_h, s_k, s_v, o_k, o_v, m_w)
 
-    store_state_tile(S, b_s, i_row, i_h, s_n, s_h, s_k, s_v, o_k, o_v, m_row)
+    if not TOKEN_ROWS:
+        store_state_tile(S, b_s, i_row, i_h, s_n, s_h, s_k, s_v, o_k, o_v, m_row)
 
 
 def recurrent(q, k, v, g, gk, b, w, S0, scale: float, S=None, *, A_log=None, dt_bias=None,
               beta_sigmoid: bool = False, l2norm_eps: float | None = None,
-              state_indices=None, state_layout: str = "kv", spans=None):
+              state_indices=None, token_rows=None, state_layout: str = "kv", spans=None):
     """Run the fused recurrence; returns (o [N, L, H, G, V] float32, S).
 
     q [N, L, Hq, G, K], k [N, L, Hk, K], v [N, L, H, V]; g None or
@@ -151,14 +163,17 @@ def recurrent(q, k, v, g, gk, b, w, S0, scale: float, S=None, *, A_log=None, dt_
     one of g and gk then) make the decay -exp(A_log) * softplus(gate + dt_bias);
     `beta_sigmoid` takes the sigmoid of b and w; `l2norm_eps` (not None)
     L2-normalises q and k rows with that epsilon.
-    S0: None (zeros) or float32 [N, H, K, V] ("kv") / [N, H, V, K] ("vk"),
-    any strides. `S` is the output state buffer, same layout (default a new
-    contiguous tensor; S0 itself updates the states in place). With
-    `state_indices` [N] (int), S0 is a slab: sequence n reads row
-    state_indices[n] and, unless `S` is given, writes that row in place;
-    a negative index is padding: that slab row is neither read nor written
-    (the sequence's output is computed from a zero state; the caller
-    discards it). `spans` (varlen, no packing): a host list of disjoint
+    S0: None (zeros) or [N, H, K, V] ("kv") / [N, H, V, K] ("vk"), float32,
+    bfloat16 or float16, any strides. `S` is the output state buffer, same
+    layout (default a new contiguous tensor in S0's dtype; S0 itself updates
+    the states in place); stores round to its dtype. With `state_indices`
+    [N] (int), S0 is a slab: sequence n reads row state_indices[n] and,
+    unless `S` is given, writes that row in place; a negative index is
+    padding: no slab row is read or written for it (its output is computed
+    from a zero state; the caller discards it). `token_rows` [N, W] (int,
+    with `state_indices`): the state after token t of sequence n is stored
+    at row token_rows[n, t] (negative: not stored) instead of the final
+    state. `spans` (varlen, no packing): a host list of disjoint
     (first token, length) in the flat [N * L] token axis, one per sequence;
     o [N, L, H, G, V] then holds each span's outputs in place (zeros elsewhere).
     """
@@ -177,17 +192,20 @@ def recurrent(q, k, v, g, gk, b, w, S0, scale: float, S=None, *, A_log=None, dt_
     o = (torch.empty if covered else torch.zeros)(N, L, H, G, V, dtype=torch.float32, device=v.device)
     if n_seq * H == 0:
         return o, S
-    idx = None
+    idx = tok = None
     if state_indices is not None:
         idx = state_indices.to(device=v.device, dtype=torch.int64).contiguous()
+    if token_rows is not None:
+        tok = token_rows.to(device=v.device, dtype=torch.int64).contiguous()
     BK = triton.next_power_of_2(K)
     BV = min(64, triton.next_power_of_2(V))
     grid = (triton.cdiv(V, BV), n_seq * H)
     _recurrent_kernel[grid](
-        q, k, v, g, gk, A_log, dt_bias, b, w, S0, S, o, idx, seq,
-        float(scale), float(l2norm_eps or 0.0), L, H, Hq, Hk, K, V,
+        q, k, v, g, gk, A_log, dt_bias, b, w, S0, S, o, idx, tok, seq,
+        float(scale), float(l2norm_eps or 0.0), L, H, Hq, Hk, K, V, 0 if tok is None else tok.shape[1],
         *state_strides(S0, state_layout), *state_strides(S, state_layout),
         G=G, VARLEN=seq is not None, HAS_INIT=S0 is not None, HAS_INDEX=idx is not None,
+        TOKEN_ROWS=tok is not None,
         **gate_flags(g, gk, b, w, A_log), SIGMOID=beta_sigmoid, L2NORM=l2norm_eps is not None,
         BK=BK, BV=BV,
     )

@@ -5,6 +5,8 @@ Inputs go to the device in their own layout and dtype (token-major
 beta_sigmoid and the L2 norm itself. The state is one float32 buffer in the
 caller's layout ("kv" [S, Hv, K, V] or "vk" [S, Hv, V, K]) updated in place
 on the rows the caller names, so a device-resident slab never leaves the GPU.
+With a speculative plan each sequence reads one row and stores the state
+after each of its tokens into that token's row (no final store).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def specialization(p: Problem) -> tuple:
         has_b=b is not None, dt_b=dt[b.dtype] if b is not None else "", b_per_key=p.erase is not None,
         has_w=p.write is not None, dt_w=dt[p.write.dtype] if p.write is not None else "",
         w_per_value=p.write is not None,
-        raw_gate=raw, sigmoid=p.beta_sigmoid, l2norm=p.qk_l2norm, has_owner=_overlapping(p),
+        raw_gate=raw, sigmoid=p.beta_sigmoid, l2norm=p.qk_l2norm, has_owner=p.plan.overlapping(),
+        speculative=p.plan.speculative,
     )
     return tuple(sorted(spec.items()))
 
@@ -71,27 +74,28 @@ def bindings_needed(p: Problem) -> int:
     return 6 + sum(x is not None for x in gates)
 
 
-def _overlapping(p: Problem) -> bool:
-    """Whether two live sequences share output tokens (clamped, decreasing cu_seqlens)."""
-    live = sorted((s.row * p.T + s.start, s.row * p.T + s.end) for s in p.spans if s.slot >= 0 and s.length)
-    return any(b0 < a1 for (_, a1), (b0, _) in zip(live, live[1:]))
+NO_ROW = 0xFFFFFFFF                  # a row the shader never reads or writes (past every buffer)
 
 
-def _table(p: Problem, rows: list[int], skip: int) -> tuple[np.ndarray, int, int, int]:
-    """The shader's table (uint32) for tokens skip .. skip + SEGMENT of every
-    sequence, and the offsets of owners, A_log and dt_bias in it."""
-    live = [s for s in p.spans if s.slot >= 0]
+def _table(p: Problem, rows: list[int], token_rows: np.ndarray | None, skip: int) -> tuple[np.ndarray, int, int, int]:
+    """The shader's table (uint32) for tokens skip .. skip + SEGMENT of every live
+    sequence, and the offsets of owners, A_log and dt_bias in it. Per sequence: first
+    token, length, state row, and (speculative) the offset of its per-token rows."""
+    live = [n for n, s in enumerate(p.spans) if s.live]
     seqs = np.zeros((len(live), 4), dtype=np.uint32)
-    for n, (s, row) in enumerate(zip(live, rows)):
-        seqs[n, :3] = (s.row * p.T + s.start + skip, min(max(s.length - skip, 0), SEGMENT), row)
+    for i, (n, row) in enumerate(zip(live, rows)):
+        s = p.spans[n]
+        seqs[i, :3] = (s.row * p.T + s.start + skip, min(max(s.length - skip, 0), SEGMENT), row)
     parts = [seqs.ravel()]
     owner_offset = a_log_offset = bias_offset = 0
-    if _overlapping(p):
-        owner = np.full(p.B * p.T, 0xFFFFFFFF, dtype=np.uint32)
-        for n, s in enumerate(live):                 # the later sequence writes shared tokens
-            owner[s.row * p.T + s.start: s.row * p.T + s.end] = n
+    if token_rows is not None:
+        seqs[:, 3] = seqs.size + np.arange(len(live), dtype=np.uint32) * token_rows.shape[1]
+        parts.append(token_rows.astype(np.uint32).ravel())
+    if p.plan.overlapping():
+        position = np.full(p.N + 1, NO_ROW, dtype=np.uint32)    # owners as positions among the live
+        position[live] = np.arange(len(live), dtype=np.uint32)
         owner_offset = sum(x.size for x in parts)
-        parts.append(owner)
+        parts.append(position[p.plan.owner()])                  # -1 (no owner) reads position[N]
     if p.A_log is not None:
         a_log_offset = sum(x.size for x in parts)
         parts.append(p.A_log.detach().to("cpu", torch.float32).numpy().view(np.uint32).ravel())
@@ -105,21 +109,23 @@ def _output_buffer(nbytes: int):
     return _device.zeros(nbytes)
 
 
-def recurrence(p: Problem, state, rows: list[int]) -> torch.Tensor:
-    """Run every live sequence of `p` (slot >= 0, in span order) on the device.
+def recurrence(p: Problem, state, rows: list[int], token_rows: np.ndarray | None = None) -> torch.Tensor:
+    """Run every live sequence of `p` (in sequence order) on the device.
 
     Args:
         p: the validated call.
         state: a wgpu storage buffer, float32 [S, Hv, K, V] ("kv") or
-            [S, Hv, V, K] ("vk"), in `p.state_layout`; sequence i reads its
+            [S, Hv, V, K] ("vk"), in `p.state_layout`; live sequence i reads its
             initial state from row `rows[i]` and writes its final state there
             (IN PLACE; rows outside the buffer are neither read nor written).
         rows: one state row per live sequence, distinct.
+        token_rows: with a speculative plan, [live, L] buffer rows (NO_ROW: none)
+            that receive the state after each token, instead of the final store.
 
     Returns:
         o: [B, T, Ho, V] float32 on the host; tokens no live sequence owns are zero.
     """
-    live = sum(s.slot >= 0 for s in p.spans)
+    live = sum(s.live for s in p.spans)
     out_bytes = p.B * p.T * p.Ho * p.V * 4
     out = _output_buffer(out_bytes)
     if live and p.B * p.T:
@@ -132,7 +138,7 @@ def recurrence(p: Problem, state, rows: list[int]) -> torch.Tensor:
         grid = (math.ceil(p.V / dict(spec)["BV"]), p.Hv, live)
         # the state stays in place between segments, so a split sequence continues exactly
         for skip in range(0, max(p.max_len, 1), SEGMENT):
-            table, owner_offset, a_log_offset, bias_offset = _table(p, rows, skip)
+            table, owner_offset, a_log_offset, bias_offset = _table(p, rows, token_rows, skip)
             params = struct.pack("<4I2f", p.B * p.T, owner_offset, a_log_offset, bias_offset,
                                  p.scale, p.l2norm_eps)
             buffers.update({0: _device.uniform(params), 1: _device.upload(table)})
