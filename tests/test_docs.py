@@ -1,17 +1,31 @@
-"""The examples in the docstrings and the README run."""
+"""The examples in the docstrings, the README and docs/design.md run."""
 
 import doctest
 import pathlib
 import re
 
+import pytest
+
 import deltarule.api
+import deltarule.batch
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
-def test_api_docstring_example_runs():
-    result = doctest.testmod(deltarule.api)
+@pytest.mark.parametrize("module", [deltarule.api, deltarule.batch], ids=lambda m: m.__name__)
+def test_docstring_examples_run(module):
+    result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_design_examples_run():
+    """Every python block of docs/design.md that starts with an import is a runnable example."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith("import ")]
+    assert blocks
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"docs/design.md example {i}", "exec"), {})
 
 
 def test_readme_quickstart_runs(capsys):
