@@ -26,7 +26,7 @@ Sections, in order, each guarded (an exception is printed and the next section r
 6. targets, PASS / MISS.
 
 Timings are `triton.testing.do_bench` medians (L2 flushed between calls); a call slower than
-0.5 s is timed twice by CUDA events instead. Prefill TFLOP/s use ALGORITHM.md's chunked model,
+0.5 s is timed twice by CUDA events instead. Prefill TFLOP/s use docs/algorithm.md's chunked model,
 FLOP = tokens * Hv * (6 K V + C (5 K + 3 V) + C^2 / 3) with C = 64 (about 165 kFLOP per token
 and head at K = V = 128), for every implementation alike. Decode GB/s count the state read
 and written once: 2 N Hv K V 4 bytes per step. "ratio" is fla time / deltarule time (> 1:
@@ -59,7 +59,7 @@ from deltarule.check import expected, rel_err  # noqa: E402
 
 CHUNK = 64
 TOL = {"float32": 5e-5, "bfloat16": 1e-2}
-FLOP_FORMULA = "FLOP = tokens*Hv*(6*K*V + C*(5*K + 3*V) + C^2/3), C = 64 (ALGORITHM.md chunked model)"
+FLOP_FORMULA = "FLOP = tokens*Hv*(6*K*V + C*(5*K + 3*V) + C^2/3), C = 64 (docs/algorithm.md, section 6)"
 BYTES_FORMULA = "bytes = 2*N*Hv*K*V*4 per decode step (fp32 state read + write)"
 SLOW_CALL_S = 0.5
 CORRECTNESS_SHARE = 0.3  # correctness cases stop at this share of the budget

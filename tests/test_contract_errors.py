@@ -1,4 +1,4 @@
-"""Every invalid call raises `ContractError` before any work (DESIGN.md section 2).
+"""Every invalid call raises `ContractError` before any work (docs/design.md section 2).
 
 Each case starts from a valid call (`valid_args`) and breaks one thing. The
 error must be a `ContractError` whose message names the argument and gives the

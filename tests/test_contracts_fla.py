@@ -9,8 +9,8 @@ varlen, in-kernel l2norm, beta sigmoid, V-first state) are composed around them
 exactly as fla's kernels define them.
 
 Error floor: both sides accumulate in float32, the adapters measure ~1e-7
-relative error against the naive references; the bound is 1e-5 (DESIGN.md
-section 6), and `test_bound_discriminates` checks that the comparisons fail on
+relative error against the naive references; the bound is 1e-5 (docs/design.md
+section 7), and `test_bound_discriminates` checks that the comparisons fail on
 a wrong mapping.
 """
 

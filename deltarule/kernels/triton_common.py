@@ -1,7 +1,7 @@
 """Pieces the Triton kernels share: the input preprocessing they fuse, and the state's addressing.
 
 Preprocessing, applied as the operands are loaded (no extra pass over memory,
-no extra launch; DESIGN.md section 1):
+no extra launch; docs/design.md section 1):
 
 - `l2norm_rows`: `qk_l2norm`, x * rsqrt(sum(x^2) + eps) per row of a loaded
   [R, BK] q or k block (masked columns are zero, so the sum is the row's);

@@ -3,7 +3,7 @@
 One program per (value tile, sequence, state head): grid
 (cdiv(V, BV), N * H). The program keeps its [K, BV] float32 state tile in
 registers across the L tokens of its sequence. Per token it reads the old
-state once for both the retrieval and the output (ALGORITHM.md, "Decode"):
+state once for both the retrieval and the output (docs/algorithm.md, "Decode"):
 
     r = S'^T (b k),  p = S'^T q   with S' = D S, D = diag(exp(g + gk))
     u = w v - r,     o = scale (p + (k . q) u),   S = S' + k u^T
