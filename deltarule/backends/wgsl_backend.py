@@ -74,9 +74,10 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
 
     init, plan = p.initial_state, p.plan
     live = [n for n, s in enumerate(p.spans) if s.live]
-    # a live sequence without tokens stores nothing: it reads no row either (another may write it)
-    reads = [p.spans[n].read if p.spans[n].length or not plan.speculative else NO_ROW for n in live]
     if isinstance(init, WgslStateSlab):
+        # with per-token stores, a sequence without tokens stores nothing and reads no row (in the
+        # same dispatch another sequence may store into the row it names)
+        reads = [s.read if s.length or not plan.speculative else NO_ROW for s in (p.spans[n] for n in live)]
         token_rows = plan.token_rows[live] if plan.speculative else None
         o = recurrence(p, init.buffer, reads, token_rows)
         return _finish(p, o), init
@@ -95,7 +96,7 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
             sequences, tokens, _ = plan.token_writes()
             for j, (n, t) in enumerate(zip(sequences.tolist(), tokens.tolist())):
                 token_rows[where[n], t] = len(live) + j
-        o = recurrence(p, state, [i if r != NO_ROW else NO_ROW for i, r in enumerate(reads)], token_rows)
+        o = recurrence(p, state, list(range(len(live))), token_rows)
     else:
         upload = init.to(torch.float32) if init is not None else None
         state = _device.upload(upload) if upload is not None else _device.zeros(p.N * _numel(tail) * 4)
