@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+import deltarule
 from deltarule import cli
 from deltarule.bench import select_cases
 from deltarule.cases import bench_cases, make_inputs
@@ -18,11 +19,16 @@ def test_bench_json_cases_are_well_formed():
     assert len(names) == len(set(names))
     for c in cases:
         assert CASE_KEYS <= set(c), c["name"]
-        assert c["kind"] in ("prefill", "decode")
+        assert c["kind"] in ("prefill", "decode", "verify")
         assert c["decay"] in ("g", "gk", "g+gk", "none")
         assert c["update"] in ("beta", "erase_write", "none")
         if c["kind"] == "decode":
             assert c["T"] == 1 and c["initial_state"]
+        if c["kind"] == "verify":                     # per-token rows [B, T] into a slab
+            assert c["initial_state"] and len(c["state_indices"]) == c["B"]
+            assert all(len(row) == c["T"] for row in c["state_indices"])
+        if c.get("state_indices") is not None:        # valid slab, 16-bit state and plan arguments
+            deltarule.validate(**make_inputs(c))
 
 
 def test_quick_covers_the_issue_shapes():
@@ -33,6 +39,9 @@ def test_quick_covers_the_issue_shapes():
     assert any(s[0] == "prefill" and s[4:] == ("gk", "erase_write") for s in shapes)
     for B in (1, 8, 64):
         assert ("decode", B, 1, 16, "g", "beta") in shapes
+    serving = {n for n, c in quick.items() if c.get("state_indices") is not None}
+    assert {"qwen3-next-16h-decode-b8-bf16-slab", "qwen3-next-16h-verify-b8-l4",
+            "qwen3-next-16h-decode-b1-plan"} <= serving
     assert not any(c.get("smoke") for c in quick.values())
 
 
