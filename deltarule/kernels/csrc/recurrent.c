@@ -3,8 +3,8 @@
  * Tiles. The columns of the state are independent: column j of S only ever
  * meets v_j, w_j and column j itself (S^T (b k) and S^T q are per column, the
  * update adds k u_j). A task owns one (sequence, state head); its state lies
- * in [K, TILE] tiles of TILE value columns, and a tile (32 KB at K = 128)
- * stays in the L1 cache while it runs a block of TB tokens:
+ * in [K, TILE] tiles of TILE value columns, and a tile (16 KB on AVX2, 32 KB on
+ * AVX-512 at K = 128) stays in the L1 cache while it runs a block of TB tokens:
  *
  *   read:    r = S'^T (b*k),  p_g = S'^T q_g            S' = D S, the old state decayed
  *            u = w*v - r,     o_g = scale * (p_g + (q_g . k) u)
@@ -20,9 +20,17 @@
  * to the tiles instead (S-hat = c' S-hat + k u^T) and c restarts at 1.
  *
  * One sweep per token. With the lazy update, token t's update of a tile row
- * and token t+1's reads of the same row share one load: a token costs 12
- * vector operations per tile row (the update FMA and the two read FMAs, the
- * same for scalar, per-key and GDN-2 gates); GQA groups read again per query.
+ * and token t+1's reads of the same row share one load: a token costs 3 FMAs
+ * per tile vector (the update and the two reads, the same for scalar, per-key
+ * and GDN-2 gates); GQA groups read again per query.
+ *
+ * Registers. A sweep keeps its accumulators (u, r and p: 3 NV vectors, times
+ * SUMS partial sums for r and p) in vector registers, so the vector width and
+ * the tiling follow the target: 16 floats with AVX-512 (32 zmm registers: NV = 4,
+ * SUMS = 2, TILE = 64), else 8 (AVX2, 16 ymm registers: NV = 4, SUMS = 1,
+ * TILE = 32, which leaves exactly one register per broadcast and one for the
+ * row). -DDELTARULE_VEC=16 or 8 overrides the choice (16 without AVX-512 runs
+ * as pairs of ymm operations and spills: correct, slow).
  *
  * Blocks. The key-side vectors depend on the head only, not on the tile: they
  * are formed once per token for a block of TB tokens, from the q and k rows
@@ -43,79 +51,221 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
-#define VEC 16                       /* floats per vector */
+#ifndef DELTARULE_VEC
+#if defined(__AVX512F__)
+#define DELTARULE_VEC 16
+#else
+#define DELTARULE_VEC 8
+#endif
+#endif
+#define VEC DELTARULE_VEC            /* floats per vector */
+#if VEC == 16
+#define SUMS 2                       /* partial sums of r and p: 4 u + 16 sums + 6 broadcasts + 2 rows of 32 zmm */
+#elif VEC == 8
+#define SUMS 1                       /* 4 u + 8 sums + 3 broadcasts + 1 row = the 16 ymm registers */
+#else
+#error "DELTARULE_VEC must be 8 or 16"
+#endif
 #define NV 4                         /* vectors per tile row */
 #define TILE (VEC * NV)              /* value columns per tile */
 #define TB 16                        /* tokens per block */
 #define LAZY_FLOOR 0x1p-30f
 #define UNROLL _Pragma("GCC unroll 8")
+#define INLINE static inline __attribute__((always_inline))
 
-typedef float vf __attribute__((vector_size(64), aligned(64)));
+typedef float vf __attribute__((vector_size(4 * VEC), aligned(4 * VEC)));
+typedef int32_t vi __attribute__((vector_size(4 * VEC)));
+typedef uint32_t vu __attribute__((vector_size(4 * VEC)));
+typedef uint16_t vh __attribute__((vector_size(2 * VEC), aligned(2)));
 
+/* (an initialiser: GCC 12 builds a loop's splat from inserts, not one broadcast) */
+#if VEC == 16
 static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-/* A store that bypasses the caches (64-byte aligned dst), where the CPU has one. */
-#if defined(__AVX512F__)
-#include <immintrin.h>
-static inline void stream(float *dst, vf x) { _mm512_stream_ps(dst, (__m512)x); }
 #else
-static inline void stream(float *dst, vf x) { memcpy(dst, &x, sizeof x); }
+static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
 #endif
 
 /* Gate forms: 0 absent, 1 scalar per (token, head), 2 per channel. */
 enum { ABSENT = 0, SCALAR = 1, CHANNEL = 2 };
-/* Element types of q, k, v and o. */
+/* Element types of q, k, v, o and per-channel gates. */
 enum { F32 = 0, F16 = 1, BF16 = 2 };
 
-/* dst[0:n] = x[off:off+n] widened to float32 */
-static inline void widen(float *dst, const void *x, int64_t off, int64_t n, int type)
+/* Stores the `bytes` bytes at src to dst (aligned to the store's width) past the caches,
+ * where the CPU has such stores: for a state written once and not read back soon (its old
+ * lines are not read in first) */
+INLINE void stream(void *dst, const void *src, int bytes)
+{
+#if defined(__AVX512F__)
+    if (bytes % 64 == 0) {
+        for (int i = 0; i < bytes; i += 64)
+            _mm512_stream_si512((void *)((char *)dst + i), _mm512_loadu_si512((const char *)src + i));
+        return;
+    }
+#endif
+#if defined(__AVX__)
+    if (bytes % 32 == 0) {
+        for (int i = 0; i < bytes; i += 32)
+            _mm256_stream_si256((__m256i *)((char *)dst + i), _mm256_loadu_si256((const __m256i *)((const char *)src + i)));
+        return;
+    }
+#endif
+#if defined(__SSE2__)
+    for (int i = 0; i < bytes; i += 16)
+        _mm_stream_si128((__m128i *)((char *)dst + i), _mm_loadu_si128((const __m128i *)((const char *)src + i)));
+#else
+    memcpy(dst, src, bytes);
+#endif
+}
+
+/* One element of x (type) at off, widened; one element rounded to nearest even (as torch does;
+ * a bfloat16 NaN stays NaN) */
+static inline float get1(const void *x, int64_t off, int type)
 {
     if (type == F32)
-        memcpy(dst, (const float *)x + off, sizeof(float) * n);
-    else if (type == F16) {
-        const _Float16 *src = (const _Float16 *)x + off;
-        int64_t i = 0;
-#if defined(__AVX512F__)
-        for (; i + VEC <= n; i += VEC)
-            _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
-#endif
-        for (; i < n; i++)
-            dst[i] = (float)src[i];
-    } else {
-        const uint16_t *src = (const uint16_t *)x + off;
-        for (int64_t i = 0; i < n; i++) {
-            const uint32_t bits = (uint32_t)src[i] << 16;
-            memcpy(dst + i, &bits, sizeof bits);
-        }
+        return ((const float *)x)[off];
+    if (type == F16)
+        return (float)((const _Float16 *)x)[off];
+    const uint32_t bits = (uint32_t)((const uint16_t *)x)[off] << 16;
+    float y;
+    memcpy(&y, &bits, sizeof y);
+    return y;
+}
+
+static inline void put1(void *x, int64_t off, float y, int type)
+{
+    if (type == F32)
+        ((float *)x)[off] = y;
+    else if (type == F16)
+        ((_Float16 *)x)[off] = (_Float16)y;
+    else {
+        uint32_t bits;
+        memcpy(&bits, &y, sizeof bits);
+        ((uint16_t *)x)[off] = (bits & 0x7fffffffu) > 0x7f800000u
+            ? (uint16_t)((bits >> 16) | 0x40)
+            : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
     }
 }
 
+/* VEC elements of x (type) from off, widened to float32 (type a constant where inlined) */
+INLINE vf get(const void *x, int64_t off, int type)
+{
+    vf y;
+    if (type == F32)
+        memcpy(&y, (const float *)x + off, sizeof y);
+    else if (type == BF16) {
+#if VEC == 8 && defined(__AVX2__)
+        y = (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + off))), 16);
+#elif VEC == 16 && defined(__AVX512F__)
+        y = (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + off))), 16);
+#else
+        vh h;
+        memcpy(&h, (const uint16_t *)x + off, sizeof h);
+        y = (vf)(__builtin_convertvector(h, vu) << 16);
+#endif
+    } else {
+        const uint16_t *src = (const uint16_t *)x + off;
+#if VEC == 16 && defined(__AVX512F__)
+        y = (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
+#elif defined(__F16C__)
+        for (int c = 0; c < VEC; c += 8) {
+            const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + c)));
+            memcpy((float *)&y + c, &z, sizeof z);
+        }
+#else
+        for (int l = 0; l < VEC; l++)
+            y[l] = get1(src, l, F16);
+#endif
+    }
+    return y;
+}
+
+/* x[off:off+VEC] = y rounded to type (a constant where inlined); nt: past the caches (aligned) */
+INLINE void put(void *x, int64_t off, vf y, int type, int nt)
+{
+    if (type == F32) {
+        float *dst = (float *)x + off;
+        if (nt)
+            stream(dst, &y, sizeof y);
+        else
+            memcpy(dst, &y, sizeof y);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)x + off;
+    vh h;
+    if (type == BF16) {
+        const vu bits = (vu)y;
+        const vu nan = (vu)((vi)(bits & 0x7fffffffu) > 0x7f800000);   /* NaN stays NaN */
+        const vu r = (((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16) & ~nan) | (((bits >> 16) | 0x40) & nan);
+        h = __builtin_convertvector(r, vh);
+    } else {
+#if VEC == 16 && defined(__AVX512F__)
+        const __m256i z = _mm512_cvtps_ph((__m512)y, _MM_FROUND_TO_NEAREST_INT);
+        memcpy(&h, &z, sizeof h);
+#elif defined(__F16C__)
+        for (int c = 0; c < VEC; c += 8) {
+            __m256 z;
+            memcpy(&z, (const float *)&y + c, sizeof z);
+            const __m128i e = _mm256_cvtps_ph(z, _MM_FROUND_TO_NEAREST_INT);
+            memcpy((uint16_t *)&h + c, &e, sizeof e);
+        }
+#else
+        for (int l = 0; l < VEC; l++)
+            put1(&h, l, y[l], F16);
+#endif
+    }
+    if (nt)
+        stream(dst, &h, sizeof h);
+    else
+        memcpy(dst, &h, sizeof h);
+}
+
+INLINE void widen_as(float *dst, const void *x, int64_t off, int64_t n, int type)
+{
+    int64_t i = 0;
+    for (; i + VEC <= n; i += VEC) {
+        const vf y = get(x, off + i, type);
+        memcpy(dst + i, &y, sizeof y);
+    }
+    for (; i < n; i++)
+        dst[i] = get1(x, off + i, type);
+}
+
+/* dst[0:n] = x[off:off+n] widened to float32 */
+static void widen(float *dst, const void *x, int64_t off, int64_t n, int type)
+{
+    if (type == F32)
+        memcpy(dst, (const float *)x + off, sizeof(float) * n);
+    else if (type == F16)
+        widen_as(dst, x, off, n, F16);
+    else
+        widen_as(dst, x, off, n, BF16);
+}
+
+INLINE void narrow_as(void *x, int64_t off, const float *src, int64_t n, int type)
+{
+    int64_t i = 0;
+    for (; i + VEC <= n; i += VEC) {
+        vf y;
+        memcpy(&y, src + i, sizeof y);
+        put(x, off + i, y, type, 0);
+    }
+    for (; i < n; i++)
+        put1(x, off + i, src[i], type);
+}
+
 /* x[off:off+n] = src[0:n] narrowed from float32, rounding to nearest even (as torch does) */
-static inline void narrow(void *x, int64_t off, const float *src, int64_t n, int type)
+static void narrow(void *x, int64_t off, const float *src, int64_t n, int type)
 {
     if (type == F32)
         memcpy((float *)x + off, src, sizeof(float) * n);
-    else if (type == F16) {
-        _Float16 *dst = (_Float16 *)x + off;
-        int64_t i = 0;
-#if defined(__AVX512F__)
-        for (; i + VEC <= n; i += VEC)
-            _mm256_storeu_si256((__m256i *)(dst + i),
-                                _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-#endif
-        for (; i < n; i++)
-            dst[i] = (_Float16)src[i];
-    } else {
-        uint16_t *dst = (uint16_t *)x + off;
-        for (int64_t i = 0; i < n; i++) {
-            uint32_t bits;
-            memcpy(&bits, src + i, sizeof bits);
-            dst[i] = (bits & 0x7fffffffu) > 0x7f800000u
-                ? (uint16_t)((bits >> 16) | 0x40)                         /* NaN stays NaN */
-                : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
-        }
-    }
+    else if (type == F16)
+        narrow_as(x, off, src, n, F16);
+    else
+        narrow_as(x, off, src, n, BF16);
 }
 
 typedef struct {
@@ -150,9 +300,7 @@ typedef struct {
     float *vw;                       /* [TB, TILE] w*v of one tile, zero-padded */
 } scratch;
 
-typedef int32_t vi __attribute__((vector_size(64), aligned(64)));
-
-/* exp of 16 floats: exp(x) = 2^n exp(r), n = round(x / ln 2), |r| <= ln(2) / 2, exp(r) by a
+/* exp of VEC floats: exp(x) = 2^n exp(r), n = round(x / ln 2), |r| <= ln(2) / 2, exp(r) by a
  * degree-7 Taylor polynomial; 2^n applied as two factors so that results down to the
  * denormals and up to FLT_MAX come out right. Relative error below 3e-7 where the result is
  * normal (tests/test_cpu_backend.py checks it against float64); overflow gives infinity, NaN
@@ -198,7 +346,7 @@ static inline void exp_shifted(float *out, const float *x, float shift, int64_t 
     }
 }
 
-/* x . y over n floats, in 16 partial sums */
+/* x . y over n floats, in VEC partial sums */
 static inline float dot(const float *x, const float *y, int64_t n)
 {
     vf acc = splat(0);
@@ -217,12 +365,11 @@ static inline float dot(const float *x, const float *y, int64_t n)
     return sum;
 }
 
-/* Rows of NV vectors at any float alignment: the state where it lies (decode). */
-typedef float vfu __attribute__((vector_size(64), aligned(4)));
-#define ROW(S, ld, i, l) (*(const vfu *)((S) + (i) * (ld) + (l) * VEC))
+/* The sweeps read a tile whose row i starts at element i*ld of S (type): the tile buffer
+ * (float32, ld = TILE, aligned), or the state where it lies (decode). */
 
-/* acc = S^T e over a tile whose row i starts at S + i*ld, two partial sums per vector */
-static inline void read_tile(const float *S, int64_t ld, const float *e, int64_t K, vf acc[NV])
+/* acc = S^T e, two partial sums per vector */
+INLINE void read_tile(const void *S, int64_t ld, int type, const float *e, int64_t K, vf acc[NV])
 {
     vf a1[NV];
     UNROLL for (int l = 0; l < NV; l++) acc[l] = a1[l] = splat(0);
@@ -230,41 +377,48 @@ static inline void read_tile(const float *S, int64_t ld, const float *e, int64_t
     for (; i + 1 < K; i += 2) {
         const vf x = splat(e[i]), y = splat(e[i + 1]);
         UNROLL for (int l = 0; l < NV; l++) {
-            acc[l] += x * ROW(S, ld, i, l);
-            a1[l] += y * ROW(S, ld, i + 1, l);
+            acc[l] += x * get(S, i * ld + l * VEC, type);
+            a1[l] += y * get(S, (i + 1) * ld + l * VEC, type);
         }
     }
     if (i < K) {
         const vf x = splat(e[i]);
-        UNROLL for (int l = 0; l < NV; l++) acc[l] += x * ROW(S, ld, i, l);
+        UNROLL for (int l = 0; l < NV; l++) acc[l] += x * get(S, i * ld + l * VEC, type);
     }
     UNROLL for (int l = 0; l < NV; l++) acc[l] += a1[l];
 }
 
-/* r = S^T e and p = S^T f in one sweep */
-static inline void read_tile2(const float *S, int64_t ld, const float *e, const float *f, int64_t K,
-                              vf r[NV], vf p[NV])
+/* r = S^T e and p = S^T f in one sweep, SUMS partial sums per vector */
+INLINE void read_tile2(const void *S, int64_t ld, int type, const float *e, const float *f, int64_t K,
+                       vf r[NV], vf p[NV])
 {
-    vf r1[NV], p1[NV];
-    UNROLL for (int l = 0; l < NV; l++) r[l] = p[l] = r1[l] = p1[l] = splat(0);
+    vf rs[SUMS][NV], ps[SUMS][NV];
+    UNROLL for (int m = 0; m < SUMS; m++) UNROLL for (int l = 0; l < NV; l++) rs[m][l] = ps[m][l] = splat(0);
     int64_t i = 0;
-    for (; i + 1 < K; i += 2) {
-        const vf a = splat(e[i]), b = splat(e[i + 1]), x = splat(f[i]), y = splat(f[i + 1]);
-        UNROLL for (int l = 0; l < NV; l++) {
-            const vf s0 = ROW(S, ld, i, l), s1 = ROW(S, ld, i + 1, l);
-            r[l] += a * s0; p[l] += x * s0;
-            r1[l] += b * s1; p1[l] += y * s1;
+    for (; i + SUMS <= K; i += SUMS)
+        UNROLL for (int m = 0; m < SUMS; m++) {
+            const vf a = splat(e[i + m]), x = splat(f[i + m]);
+            UNROLL for (int l = 0; l < NV; l++) {
+                const vf s = get(S, (i + m) * ld + l * VEC, type);
+                rs[m][l] += a * s;
+                ps[m][l] += x * s;
+            }
         }
-    }
-    if (i < K) {
+    for (; i < K; i++) {
         const vf a = splat(e[i]), x = splat(f[i]);
         UNROLL for (int l = 0; l < NV; l++) {
-            r[l] += a * ROW(S, ld, i, l); p[l] += x * ROW(S, ld, i, l);
+            const vf s = get(S, i * ld + l * VEC, type);
+            rs[0][l] += a * s;
+            ps[0][l] += x * s;
         }
     }
     UNROLL for (int l = 0; l < NV; l++) {
-        r[l] += r1[l];
-        p[l] += p1[l];
+        r[l] = rs[0][l];
+        p[l] = ps[0][l];
+        UNROLL for (int m = 1; m < SUMS; m++) {
+            r[l] += rs[m][l];
+            p[l] += ps[m][l];
+        }
     }
 }
 
@@ -272,31 +426,35 @@ static inline void read_tile2(const float *S, int64_t ld, const float *e, const 
 static inline void update_read(vf *S, const float *kc, const vf u[NV], const float *e, const float *f,
                                int64_t K, vf r[NV], vf p[NV])
 {
-    vf r1[NV], p1[NV];
-    UNROLL for (int l = 0; l < NV; l++) r[l] = p[l] = r1[l] = p1[l] = splat(0);
+    vf rs[SUMS][NV], ps[SUMS][NV];
+    UNROLL for (int m = 0; m < SUMS; m++) UNROLL for (int l = 0; l < NV; l++) rs[m][l] = ps[m][l] = splat(0);
     int64_t i = 0;
-    for (; i + 1 < K; i += 2) {
-        const vf k0 = splat(kc[i]), k1 = splat(kc[i + 1]);
-        const vf a = splat(e[i]), b = splat(e[i + 1]), x = splat(f[i]), y = splat(f[i + 1]);
-        UNROLL for (int l = 0; l < NV; l++) {
-            const vf s0 = S[NV * i + l] + k0 * u[l], s1 = S[NV * (i + 1) + l] + k1 * u[l];
-            S[NV * i + l] = s0;
-            S[NV * (i + 1) + l] = s1;
-            r[l] += a * s0; p[l] += x * s0;
-            r1[l] += b * s1; p1[l] += y * s1;
+    for (; i + SUMS <= K; i += SUMS)
+        UNROLL for (int m = 0; m < SUMS; m++) {
+            const vf k = splat(kc[i + m]), a = splat(e[i + m]), x = splat(f[i + m]);
+            UNROLL for (int l = 0; l < NV; l++) {
+                const vf s = S[NV * (i + m) + l] + k * u[l];
+                S[NV * (i + m) + l] = s;
+                rs[m][l] += a * s;
+                ps[m][l] += x * s;
+            }
         }
-    }
-    if (i < K) {
-        const vf k0 = splat(kc[i]), a = splat(e[i]), x = splat(f[i]);
+    for (; i < K; i++) {
+        const vf k = splat(kc[i]), a = splat(e[i]), x = splat(f[i]);
         UNROLL for (int l = 0; l < NV; l++) {
-            const vf s0 = S[NV * i + l] + k0 * u[l];
-            S[NV * i + l] = s0;
-            r[l] += a * s0; p[l] += x * s0;
+            const vf s = S[NV * i + l] + k * u[l];
+            S[NV * i + l] = s;
+            rs[0][l] += a * s;
+            ps[0][l] += x * s;
         }
     }
     UNROLL for (int l = 0; l < NV; l++) {
-        r[l] += r1[l];
-        p[l] += p1[l];
+        r[l] = rs[0][l];
+        p[l] = ps[0][l];
+        UNROLL for (int m = 1; m < SUMS; m++) {
+            r[l] += rs[m][l];
+            p[l] += ps[m][l];
+        }
     }
 }
 
@@ -403,8 +561,8 @@ static void load_vw(const problem *P, const scratch *W, int64_t bt0, int64_t h, 
 }
 
 /* Block token s's outputs o_g = scale (S'^T q_g + (q_g . k) u) for the tile at j0; p0 is
- * the first query's read, further GQA queries read the old tile (rows S + i*ld) again. */
-static void write_outputs(const problem *P, const scratch *W, const float *S, int64_t ld, int64_t n,
+ * the first query's read, further GQA queries read the old tile (rows S + i*ld, type) again. */
+INLINE void write_outputs(const problem *P, const scratch *W, const void *S, int64_t ld, int type, int64_t n,
                           int64_t bt, int64_t s, int64_t h, int64_t j0, const vf p0[NV], const vf u[NV])
 {
     const int64_t K = P->K, V = P->V, G = P->G, th = bt * P->Hv + h;
@@ -417,7 +575,7 @@ static void write_outputs(const problem *P, const scratch *W, const float *S, in
         if (g == 0)
             UNROLL for (int l = 0; l < NV; l++) p[l] = p0[l];
         else
-            read_tile(S, ld, W->eq + (s * G + g) * K, K, p);
+            read_tile(S, ld, type, W->eq + (s * G + g) * K, K, p);
         const vf kq = splat(W->kq[s * G + g]);
         UNROLL for (int l = 0; l < NV; l++) res[l] = sc * (p[l] + kq * u[l]);
         narrow(P->o, (th * G + g) * V + j0, (const float *)res, tw, P->v_type);
@@ -431,18 +589,18 @@ static void run_block(const problem *P, const scratch *W, vf *S, int64_t n, int6
     const int64_t K = P->K, G = P->G;
     load_vw(P, W, bt0, h, j0, len);
     vf r[NV], p0[NV];                /* token s's reads: S'^T (b k) and S'^T q_0 */
-    read_tile2((const float *)S, TILE, W->eb, W->eq, K, r, p0);
+    read_tile2(S, TILE, F32, W->eb, W->eq, K, r, p0);
     for (int64_t s = 0; s < len; s++) {
         vf u[NV];
         UNROLL for (int l = 0; l < NV; l++) u[l] = ((const vf *)(W->vw + s * TILE))[l] - r[l];
-        write_outputs(P, W, (const float *)S, TILE, n, bt0 + s, s, h, j0, p0, u);
+        write_outputs(P, W, S, TILE, F32, n, bt0 + s, s, h, j0, p0, u);
         const float *kc = W->kc + s * K, *cd = W->cd + s * K;
         if (s + 1 < len && W->lazy[s])
             update_read(S, kc, u, W->eb + (s + 1) * K, W->eq + (s + 1) * G * K, K, r, p0);
         else {
             update(S, kc, cd, W->lazy[s], u, K);
             if (s + 1 < len)
-                read_tile2((const float *)S, TILE, W->eb + (s + 1) * K, W->eq + (s + 1) * G * K, K, r, p0);
+                read_tile2(S, TILE, F32, W->eb + (s + 1) * K, W->eq + (s + 1) * G * K, K, r, p0);
         }
     }
 }
@@ -463,19 +621,14 @@ static void decode_task(const problem *P, const scratch *W, int64_t n, int64_t h
         float *dst = P->s + out * st[0] + h * st[1] + j0;
         vf r[NV], p0[NV], u[NV];
         load_vw(P, W, bt, h, j0, 1);
-        read_tile2(src, st0[2], W->eb, W->eq, K, r, p0);
+        read_tile2(src, st0[2], F32, W->eb, W->eq, K, r, p0);
         UNROLL for (int l = 0; l < NV; l++) u[l] = ((const vf *)W->vw)[l] - r[l];
-        write_outputs(P, W, src, st0[2], n, bt, 0, h, j0, p0, u);
-        const int stream_out = P->stream_state && ((uintptr_t)dst & 63) == 0 && (st[2] & (VEC - 1)) == 0;
+        write_outputs(P, W, src, st0[2], F32, n, bt, 0, h, j0, p0, u);
+        const int stream_out = P->stream_state && ((uintptr_t)dst & 63) == 0 && (st[2] & 15) == 0;
         for (int64_t i = 0; i < K; i++) {
             const vf dd = splat(W->cd[i]), kk = splat(W->kb[i]);
-            UNROLL for (int l = 0; l < NV; l++) {
-                const vf x = dd * ROW(src, st0[2], i, l) + kk * u[l];
-                if (stream_out)
-                    stream(dst + i * st[2] + l * VEC, x);
-                else
-                    memcpy(dst + i * st[2] + l * VEC, &x, sizeof x);
-            }
+            UNROLL for (int l = 0; l < NV; l++)
+                put(dst, i * st[2] + l * VEC, dd * get(src, i * st0[2] + l * VEC, F32) + kk * u[l], F32, stream_out);
         }
     }
 }
@@ -529,7 +682,7 @@ static void run_task(const problem *P, const scratch *W, int64_t n, int64_t h)
                      * they skip reading its old lines in first */
                     const vf cv = splat(ci);
                     UNROLL for (int l = 0; l < NV; l++)
-                        stream(dst + l * VEC, cv * ((const vf *)src)[l]);
+                        put(dst, l * VEC, cv * ((const vf *)src)[l], F32, 1);
                 } else if (st[3] == 1)
                     for (int64_t j = 0; j < tw; j++)
                         dst[j] = ci * src[j];
@@ -554,7 +707,7 @@ static void *work(void *arg)
     const int64_t K = P->K, G = P->G, tiles = (P->V + TILE - 1) / TILE;
     scratch s = {.tiles = aligned_alloc(64, sizeof(float) * tiles * K * TILE)};  /* a multiple of 64 bytes */
     const int64_t floats = TB * (TILE + (4 + 2 * G) * K + G) + K;
-    float *f = aligned_alloc(64, sizeof(float) * ((floats + VEC - 1) / VEC * VEC));
+    float *f = aligned_alloc(64, sizeof(float) * ((floats + 15) / 16 * 16));
     int *lazy = malloc(sizeof(int) * TB);
     if (!s.tiles || !f || !lazy)
         atomic_store(&W->failed, 1);
