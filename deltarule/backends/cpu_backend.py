@@ -73,7 +73,7 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     threads = max(1, min(torch.get_num_threads(), steps // ELEMENT_STEPS_PER_THREAD))
     # a fresh final state goes past the caches (decode B = 8 and 64: 1.5x faster than
     # plain stores, B = 1 no slower); a slab row is read back by the next step
-    cpu_recurrent.recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, owner, p.scale,
+    cpu_recurrent.recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, None, owner, p.scale,
                             p.l2norm_eps if p.qk_l2norm else None, not p.in_place, threads)
 
     o = o.view(p.B, p.T, p.Ho, p.V)

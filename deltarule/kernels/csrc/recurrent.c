@@ -40,8 +40,22 @@
  *
  * Inputs. q, k and v are read in their own dtype (float32, float16 or
  * bfloat16), widened to float32 as they are staged (and L2-normalised there
- * with qk_l2norm); o is written in v's dtype.
- * Gates and states are float32. Accumulation is float32 throughout.
+ * with qk_l2norm); o is written in v's dtype. Per-channel gates are read in
+ * their own dtype, scalar gates are float32. States are stored as float32,
+ * float16 or bfloat16 (each of S0 and S its own): widened when read, rounded to
+ * nearest even when stored; between a sequence's tokens the state stays
+ * float32 (tiles or a scratch copy, never rounded). Accumulation is float32
+ * throughout.
+ *
+ * Stores. Besides the final state (spans column 5), a sequence may store the
+ * state after each of its tokens into a row of S (token_rows: speculative
+ * decoding's verify step).
+ *
+ * Whole rows. A single token (decode), and a sequence that stores per-token
+ * states, runs token by token on whole state rows instead (see "Whole rows"
+ * below): its state is read from and written to memory, where sequential
+ * sweeps beat tile passes; V must be a multiple of TILE (else the tiles run it,
+ * a token row costing one more pass over the tile).
  *
  * Compute only: contiguous operands, validated by the caller.
  */
@@ -91,8 +105,10 @@ static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
 
 /* Gate forms: 0 absent, 1 scalar per (token, head), 2 per channel. */
 enum { ABSENT = 0, SCALAR = 1, CHANNEL = 2 };
-/* Element types of q, k, v, o and per-channel gates. */
+/* Element types of q, k, v, o, per-channel gates and states. */
 enum { F32 = 0, F16 = 1, BF16 = 2 };
+
+static inline int64_t size_of(int type) { return type == F32 ? 4 : 2; }
 
 /* Stores the `bytes` bytes at src to dst (aligned to the store's width) past the caches,
  * where the CPU has such stores: for a state written once and not read back soon (its old
@@ -121,6 +137,9 @@ INLINE void stream(void *dst, const void *src, int bytes)
 #endif
 }
 
+/* A NaN stored as bfloat16: torch's (c10::BFloat16's) quiet NaN */
+#define BF16_NAN 0x7fc0u
+
 /* One element of x (type) at off, widened; one element rounded to nearest even (as torch does;
  * a bfloat16 NaN stays NaN) */
 static inline float get1(const void *x, int64_t off, int type)
@@ -144,9 +163,7 @@ static inline void put1(void *x, int64_t off, float y, int type)
     else {
         uint32_t bits;
         memcpy(&bits, &y, sizeof bits);
-        ((uint16_t *)x)[off] = (bits & 0x7fffffffu) > 0x7f800000u
-            ? (uint16_t)((bits >> 16) | 0x40)
-            : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
+        ((uint16_t *)x)[off] = y != y ? BF16_NAN : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
     }
 }
 
@@ -183,6 +200,20 @@ INLINE vf get(const void *x, int64_t off, int type)
     return y;
 }
 
+/* y rounded to bfloat16 in the low half of each 32-bit lane: to nearest even, a NaN to
+ * BF16_NAN (the bias would carry a NaN's payload into its exponent and sign) */
+INLINE vu bf16_bits(vf y)
+{
+    const vu bits = (vu)y;
+    const vu r = (bits + 0x7fffu + ((bits >> 16) & 1)) >> 16;
+#if VEC == 8 && defined(__AVX__)
+    return (vu)_mm256_blendv_ps((__m256)r, (__m256)((vu){} + BF16_NAN), _mm256_cmp_ps((__m256)y, (__m256)y, _CMP_UNORD_Q));
+#else
+    const vu nan = (vu)(y != y);
+    return (r & ~nan) | (BF16_NAN & nan);
+#endif
+}
+
 /* x[off:off+VEC] = y rounded to type (a constant where inlined); nt: past the caches (aligned) */
 INLINE void put(void *x, int64_t off, vf y, int type, int nt)
 {
@@ -196,12 +227,9 @@ INLINE void put(void *x, int64_t off, vf y, int type, int nt)
     }
     uint16_t *dst = (uint16_t *)x + off;
     vh h;
-    if (type == BF16) {
-        const vu bits = (vu)y;
-        const vu nan = (vu)((vi)(bits & 0x7fffffffu) > 0x7f800000);   /* NaN stays NaN */
-        const vu r = (((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16) & ~nan) | (((bits >> 16) | 0x40) & nan);
-        h = __builtin_convertvector(r, vh);
-    } else {
+    if (type == BF16)
+        h = __builtin_convertvector(bf16_bits(y), vh);
+    else {
 #if VEC == 16 && defined(__AVX512F__)
         const __m256i z = _mm512_cvtps_ph((__m512)y, _MM_FROUND_TO_NEAREST_INT);
         memcpy(&h, &z, sizeof h);
@@ -274,30 +302,37 @@ typedef struct {
     const void *gk;                  /* NULL or [B, T, Hv, K] per-key log decay (gk_type) */
     const void *b, *w;               /* erase, write: float32 [B, T, Hv], or [B, T, Hv, K] (b, b_type)
                                         and [B, T, Hv, V] (w, w_type), by their forms */
-    const float *s0;                 /* initial states [slot, Hv, K, V] at strides s0_stride */
-    float *s;                        /* final states, strides s_stride (may be s0: a slab in place) */
+    const void *s0;                  /* NULL or states [row, Hv, K, V] (s0_type) at strides s0_stride */
+    void *s;                         /* states (s_type) at strides s_stride (may be s0: a slab in place) */
     void *o;                         /* [B, T, Hv, G, V] (v_type) */
-    const int64_t *spans;            /* [N, 5]: row, start, end, initial slot (-1: zeros), final slot (-1: none) */
+    const int64_t *spans;            /* [N, 5]: row, start, end, read row of s0 (-1: zeros), final row of s (-1: none) */
+    const int64_t *token_rows;       /* NULL or [N, token_cols]: the row of s that takes the state after
+                                        each token of a sequence (-1: none) */
     const int32_t *owner;            /* NULL, or [B*T]: the span whose output a token keeps (-1: none) */
-    int64_t N, T, Hv, K, V, G, rq, rk;
-    int64_t s0_stride[4], s_stride[4];   /* in floats: slot, head, key, value */
+    int64_t N, T, Hv, K, V, G, rq, rk, token_cols;
+    int64_t s0_stride[4], s_stride[4];   /* in elements: row, head, key, value */
     int b_form, w_form;
-    int qk_type, v_type, gk_type, b_type, w_type;
-    int stream_state;                /* write s with streaming stores (a large fresh state) */
+    int qk_type, v_type, gk_type, b_type, w_type, s0_type, s_type;
+    int stream_state;                /* write final states with streaming stores (a large fresh state) */
     int qk_l2norm;                   /* normalise staged q and k rows: x / sqrt(sum x^2 + l2norm_eps) */
     float l2norm_eps;
     float scale;
 } problem;
 
+/* sizeof(problem), for the binding's check of its layout */
+size_t deltarule_problem_size(void) { return sizeof(problem); }
+
 /* A thread's scratch, reused by its tasks. Key-side rows are per token of a block. */
 typedef struct {
-    float *tiles;                    /* [tiles, K, TILE] the head's S-hat, 64-byte aligned */
+    float *tiles;                    /* [tiles, K, TILE] the head's S-hat, 64-byte aligned (whole rows:
+                                        the [K, V] state between tokens) */
     float *kb, *qb;                  /* staged k, q rows: [TB, K], [TB, G*K] */
     float *cd, *eb, *eq, *kq, *kc;   /* [TB, K] c*d, [TB, K] c*d*b*k, [TB, G*K] c*d*q_g, [TB, G] q_g . k,
                                         [TB, K] update factor: k / (c*d) (lazy) or k */
     int *lazy;                       /* [TB] */
     float *c;                        /* [K] the lazy scale after the block's last token */
     float *vw;                       /* [TB, TILE] w*v of one tile, zero-padded */
+    float *acc;                      /* whole rows: [V] r, [G, V] p, [V] u */
 } scratch;
 
 /* exp of VEC floats: exp(x) = 2^n exp(r), n = round(x / ln 2), |r| <= ln(2) / 2, exp(r) by a
@@ -537,24 +572,33 @@ static void key_side(const problem *P, const scratch *W, int64_t bt0, int64_t h,
     }
 }
 
+/* vw[0:n] = w*v of token-head th, columns j0 .. j0 + n */
+static void load_wv(const problem *P, int64_t th, int64_t j0, int64_t n, float *vw)
+{
+    const int64_t V = P->V;
+    widen(vw, P->v, th * V + j0, n, P->v_type);
+    if (P->w_form == CHANNEL)
+        for (int64_t j = 0; j < n; j += TILE) {
+            float wt[TILE];
+            const int64_t m = n - j < TILE ? n - j : TILE;
+            widen(wt, P->w, th * V + j0 + j, m, P->w_type);
+            for (int64_t l = 0; l < m; l++)
+                vw[j + l] *= wt[l];
+        }
+    else if (P->w_form == SCALAR) {
+        const float ws = ((const float *)P->w)[th];
+        for (int64_t j = 0; j < n; j++)
+            vw[j] *= ws;
+    }
+}
+
 /* W->vw rows = w*v of the block's len tokens for the tile at column j0, zero-padded */
 static void load_vw(const problem *P, const scratch *W, int64_t bt0, int64_t h, int64_t j0, int64_t len)
 {
     const int64_t V = P->V, Hv = P->Hv, tw = V - j0 < TILE ? V - j0 : TILE;
     for (int64_t s = 0; s < len; s++) {
-        const int64_t th = (bt0 + s) * Hv + h;
         float *vw = W->vw + s * TILE;
-        widen(vw, P->v, th * V + j0, tw, P->v_type);
-        if (P->w_form == CHANNEL) {
-            float wt[TILE];
-            widen(wt, P->w, th * V + j0, tw, P->w_type);
-            for (int64_t j = 0; j < tw; j++)
-                vw[j] *= wt[j];
-        } else if (P->w_form == SCALAR) {
-            const float ws = ((const float *)P->w)[th];
-            for (int64_t j = 0; j < tw; j++)
-                vw[j] *= ws;
-        }
+        load_wv(P, (bt0 + s) * Hv + h, j0, tw, vw);
         for (int64_t j = tw; j < TILE; j++)
             vw[j] = 0.0f;
     }
@@ -582,11 +626,74 @@ INLINE void write_outputs(const problem *P, const scratch *W, const void *S, int
     }
 }
 
-/* One tile runs the block's len tokens from token index bt0 (in [B*T]) of sequence n. */
-static void run_block(const problem *P, const scratch *W, vf *S, int64_t n, int64_t bt0, int64_t h,
+/* Streaming stores for the per-token states (token_rows) as well as for the fresh final ones:
+ * a verify step writes one row per token and the next step reads back at most one of them
+ * (docs/performance.md has the measurement). */
+#define STREAM_TOKEN_ROWS 1
+
+/* NV vectors x to dst + off (type); nt: past the caches */
+INLINE void put_row(char *dst, int64_t off, const vf x[NV], int type, int nt)
+{
+#if VEC == 8 && defined(__AVX2__)
+    if (type == BF16) {              /* two vectors per pack and lane fix-up */
+        UNROLL for (int l = 0; l < NV; l += 2) {
+            const __m256i h = _mm256_permute4x64_epi64(
+                _mm256_packus_epi32((__m256i)bf16_bits(x[l]), (__m256i)bf16_bits(x[l + 1])), 0xd8);
+            uint16_t *d = (uint16_t *)dst + off + l * VEC;
+            if (nt)
+                stream(d, &h, sizeof h);
+            else
+                memcpy(d, &h, sizeof h);
+        }
+        return;
+    }
+#endif
+    if (nt)
+        UNROLL for (int l = 0; l < NV; l++) put(dst, off + l * VEC, x[l], type, 1);
+    else
+        UNROLL for (int l = 0; l < NV; l++) put(dst, off + l * VEC, x[l], type, 0);
+}
+
+INLINE void store_rows_as(char *dst, int64_t ld, const float *tile, const float *c, int64_t K, int type, int nt)
+{
+    for (int64_t i = 0; i < K; i++) {
+        const vf ci = splat(c ? c[i] : 1.0f);
+        vf x[NV];
+        UNROLL for (int l = 0; l < NV; l++) x[l] = ci * ((const vf *)tile)[NV * i + l];
+        put_row(dst, i * ld, x, type, nt);
+    }
+}
+
+/* Row `row` of S, head h, columns j0 .. j0 + TILE = diag(c) tile (c NULL: 1), rounded to S's
+ * dtype; nt: with streaming stores where the rows are 64-byte aligned. */
+static void store_tile(const problem *P, const float *tile, const float *c, int64_t row, int64_t h, int64_t j0,
+                       int nt)
+{
+    const int64_t K = P->K, tw = P->V - j0 < TILE ? P->V - j0 : TILE, *st = P->s_stride;
+    const int type = P->s_type;
+    char *dst = (char *)P->s + (row * st[0] + h * st[1] + j0 * st[3]) * size_of(type);
+    if (st[3] == 1 && tw == TILE) {
+        nt = nt && ((uintptr_t)dst & 63) == 0 && (st[2] * size_of(type)) % 64 == 0;
+        if (type == F32)
+            store_rows_as(dst, st[2], tile, c, K, F32, nt);
+        else if (type == F16)
+            store_rows_as(dst, st[2], tile, c, K, F16, nt);
+        else
+            store_rows_as(dst, st[2], tile, c, K, BF16, nt);
+    } else
+        for (int64_t i = 0; i < K; i++) {
+            const float ci = c ? c[i] : 1.0f;
+            for (int64_t j = 0; j < tw; j++)
+                put1(dst, i * st[2] + j * st[3], ci * tile[i * TILE + j], type);
+        }
+}
+
+/* One tile runs the block's len tokens from token index bt0 (in [B*T]), token t0 of sequence n. */
+static void run_block(const problem *P, const scratch *W, vf *S, int64_t n, int64_t bt0, int64_t t0, int64_t h,
                       int64_t j0, int64_t len)
 {
     const int64_t K = P->K, G = P->G;
+    const int64_t *rows = P->token_rows ? P->token_rows + n * P->token_cols + t0 : NULL;
     load_vw(P, W, bt0, h, j0, len);
     vf r[NV], p0[NV];                /* token s's reads: S'^T (b k) and S'^T q_0 */
     read_tile2(S, TILE, F32, W->eb, W->eq, K, r, p0);
@@ -602,61 +709,203 @@ static void run_block(const problem *P, const scratch *W, vf *S, int64_t n, int6
             if (s + 1 < len)
                 read_tile2(S, TILE, F32, W->eb + (s + 1) * K, W->eq + (s + 1) * G * K, K, r, p0);
         }
+        if (rows && rows[s] >= 0)    /* S = diag(c) S-hat, c = c*d after a lazy token, else 1 */
+            store_tile(P, (const float *)S, W->lazy[s] ? cd : NULL, rows[s], h, j0, STREAM_TOKEN_ROWS);
     }
 }
 
-/* Decode: one token from the state where it lies (rows of V contiguous floats, V a multiple
- * of TILE) straight to the final state, S = D S0 + k u^T, without the tile buffer. */
-static void decode_task(const problem *P, const scratch *W, int64_t n, int64_t h)
+/* Whole rows. Single-token steps (decode) and sequences that store per-token states run token
+ * by token on whole state rows rather than tiles: a tile pass touches TILE columns of every row
+ * (128 of each 512 bytes on AVX2 at V = 128), and such strided passes over a state in memory
+ * moved about half the bytes per second of sequential ones here (docs/performance.md). A token
+ * reads the state twice, r and p in one pass (ROWS rows at a time over accumulators in L1), then
+ * the update S' = D S + k u^T, written to every destination in the same sequential sweep: the
+ * next token's float32 state, the token's row, the final row. */
+#define ROWS 4
+
+/* The next task's state rows, to prefetch while this one computes: row i lies at at + i * pitch,
+ * bytes long (at NULL: nothing to prefetch). */
+typedef struct {
+    const char *at;
+    int64_t pitch, bytes;
+} ahead;
+
+INLINE void prefetch(const ahead *A, int64_t i)
 {
-    const int64_t K = P->K, V = P->V, T = P->T;
-    const int64_t bt = P->spans[5 * n] * T + P->spans[5 * n + 1];
-    const int64_t in = P->spans[5 * n + 3], out = P->spans[5 * n + 4];
-    const int64_t *st0 = P->s0_stride, *st = P->s_stride;
+    if (A->at)
+        for (int64_t b = 0; b < A->bytes; b += 64)
+            __builtin_prefetch(A->at + i * A->pitch + b);
+}
+
+/* ra = S^T e (unless e is NULL) and rb = S^T f over whole rows: row i at element i*ld of S
+ * (type), V a multiple of VEC */
+INLINE void read_rows(const void *S, int64_t ld, int type, const float *e, const float *f, int64_t K, int64_t V,
+                      float *ra, float *rb)
+{
+    for (int64_t j = 0; j < V; j++) {
+        rb[j] = 0.0f;
+        if (e)
+            ra[j] = 0.0f;
+    }
+    for (int64_t i = 0; i < K; i += ROWS) {
+        const int rows = K - i < ROWS ? (int)(K - i) : ROWS;
+        vf a[ROWS], b[ROWS];
+        UNROLL for (int m = 0; m < ROWS; m++) {
+            a[m] = splat(e && m < rows ? e[i + m] : 0.0f);
+            b[m] = splat(m < rows ? f[i + m] : 0.0f);
+        }
+        if (rows == ROWS)
+            for (int64_t j = 0; j < V; j += VEC) {
+                vf x = e ? *(const vf *)(ra + j) : splat(0), y = *(const vf *)(rb + j);
+                UNROLL for (int m = 0; m < ROWS; m++) {
+                    const vf s = get(S, (i + m) * ld + j, type);
+                    x += a[m] * s;
+                    y += b[m] * s;
+                }
+                if (e)
+                    *(vf *)(ra + j) = x;
+                *(vf *)(rb + j) = y;
+            }
+        else
+            for (int m = 0; m < rows; m++)
+                for (int64_t j = 0; j < V; j += VEC) {
+                    const vf s = get(S, (i + m) * ld + j, type);
+                    if (e)
+                        *(vf *)(ra + j) += a[m] * s;
+                    *(vf *)(rb + j) += b[m] * s;
+                }
+    }
+}
+
+/* A whole-rows step's destinations: dst (NULL or the next token's float32 state, [K, V]; may be
+ * the source), rows d1, d2 of S (NULL: none; nt: streaming stores) */
+typedef struct {
+    float *dst;
+    char *d1, *d2;
+    int nt1, nt2;
+} targets;
+
+/* One token (token-head th at bt) from the state at src (rows ld0 elements apart, in_type) to D
+ * (out_type); the update prefetches A's rows. Each element is read before it is written. */
+INLINE void step_as(const problem *P, const scratch *W, int64_t n, int64_t bt, int64_t h, const char *src,
+                    int64_t ld0, const targets *D, const ahead *A, int in_type, int out_type)
+{
+    const int64_t K = P->K, V = P->V, G = P->G, ld = P->s_stride[2], th = bt * P->Hv + h;
+    float *r = W->acc, *p = r + V, *u = p + G * V;
+    float *dst = D->dst;
+    char *d1 = D->d1, *d2 = D->d2;
+    const int nt1 = D->nt1, nt2 = D->nt2;
+    const float *cd = W->cd, *kb = W->kb;
     for (int64_t i = 0; i < K; i++)
-        W->c[i] = 1.0f;
+        W->c[i] = 1.0f;              /* the state is explicit between tokens: no lazy scale */
     key_side(P, W, bt, h, 1);
-    for (int64_t j0 = 0; j0 < V; j0 += TILE) {
-        const float *src = P->s0 + in * st0[0] + h * st0[1] + j0;
-        float *dst = P->s + out * st[0] + h * st[1] + j0;
-        vf r[NV], p0[NV], u[NV];
-        load_vw(P, W, bt, h, j0, 1);
-        read_tile2(src, st0[2], F32, W->eb, W->eq, K, r, p0);
-        UNROLL for (int l = 0; l < NV; l++) u[l] = ((const vf *)W->vw)[l] - r[l];
-        write_outputs(P, W, src, st0[2], F32, n, bt, 0, h, j0, p0, u);
-        const int stream_out = P->stream_state && ((uintptr_t)dst & 63) == 0 && (st[2] & 15) == 0;
-        for (int64_t i = 0; i < K; i++) {
-            const vf dd = splat(W->cd[i]), kk = splat(W->kb[i]);
+    read_rows(src, ld0, in_type, W->eb, W->eq, K, V, r, p);
+    for (int64_t g = 1; g < G; g++)
+        read_rows(src, ld0, in_type, NULL, W->eq + g * K, K, V, NULL, p + g * V);
+    load_wv(P, th, 0, V, u);
+    for (int64_t j = 0; j < V; j++)
+        u[j] -= r[j];
+    if (P->owner == NULL || P->owner[bt] == n)
+        for (int64_t g = 0; g < G; g++) {
+            const float kq = W->kq[g];
+            float *o = p + g * V;
+            for (int64_t j = 0; j < V; j++)
+                o[j] = P->scale * (o[j] + kq * u[j]);
+            narrow(P->o, (th * G + g) * V, o, V, P->v_type);
+        }
+    for (int64_t i = 0; i < K; i++) {
+        const vf dd = splat(cd[i]), kk = splat(kb[i]);
+        prefetch(A, i);
+        for (int64_t j = 0; j < V; j += TILE) {
+            vf x[NV];
             UNROLL for (int l = 0; l < NV; l++)
-                put(dst, i * st[2] + l * VEC, dd * get(src, i * st0[2] + l * VEC, F32) + kk * u[l], F32, stream_out);
+                x[l] = dd * get(src, i * ld0 + j + l * VEC, in_type) + kk * *(const vf *)(u + j + l * VEC);
+            if (dst)
+                UNROLL for (int l = 0; l < NV; l++) *(vf *)(dst + i * V + j + l * VEC) = x[l];
+            if (d1)
+                put_row(d1, i * ld + j, x, out_type, nt1);
+            if (d2)
+                put_row(d2, i * ld + j, x, out_type, nt2);
         }
     }
 }
 
-static void run_task(const problem *P, const scratch *W, int64_t n, int64_t h)
+/* Sequence n's tokens for head h on whole rows; next: the next task's state head (prefetched) */
+INLINE void rows_as(const problem *P, const scratch *W, int64_t n, int64_t h, const char *next, int in_type,
+                    int out_type)
+{
+    const int64_t K = P->K, V = P->V, T = P->T;
+    const int64_t bt = P->spans[5 * n] * T + P->spans[5 * n + 1], len = P->spans[5 * n + 2] - P->spans[5 * n + 1];
+    const int64_t in = P->spans[5 * n + 3], out = P->spans[5 * n + 4];
+    const int64_t *st0 = P->s0_stride, *st = P->s_stride, out_size = size_of(out_type);
+    const int aligned = (st[2] * out_size) % 64 == 0;
+    float *state = W->tiles;         /* [K, V] between tokens */
+    const char *src = (const char *)state;
+    int64_t ld0 = V;
+    if (in >= 0) {
+        src = (const char *)P->s0 + (in * st0[0] + h * st0[1]) * size_of(in_type);
+        ld0 = st0[2];
+    } else
+        memset(state, 0, sizeof(float) * K * V);
+    for (int64_t t = 0; t < len; t++) {
+        const int64_t tr = P->token_rows ? P->token_rows[n * P->token_cols + t] : -1;
+        const int last = t + 1 == len;
+        targets D = {last ? NULL : state, NULL, NULL, 0, 0};
+        if (last && out >= 0)
+            D.d1 = (char *)P->s + (out * st[0] + h * st[1]) * out_size;
+        if (tr >= 0)
+            D.d2 = (char *)P->s + (tr * st[0] + h * st[1]) * out_size;
+        /* past the caches where aligned, except into the row being read (its lines are cached) */
+        D.nt1 = P->stream_state && aligned && ((uintptr_t)D.d1 & 63) == 0 && D.d1 != src;
+        D.nt2 = STREAM_TOKEN_ROWS && aligned && ((uintptr_t)D.d2 & 63) == 0 && D.d2 != src;
+        const int64_t size = size_of(P->s0_type);
+        const ahead A = {last ? next : NULL, st0[2] * size, V * size};
+        if (t == 0)
+            step_as(P, W, n, bt, h, src, ld0, &D, &A, in_type, out_type);
+        else
+            step_as(P, W, n, bt + t, h, (const char *)state, V, &D, &A, F32, out_type);
+    }
+}
+
+#define ROWS_AS(a, b) case 3 * (a) + (b): rows_as(P, W, n, h, next, a, b); break
+
+static void run_rows(const problem *P, const scratch *W, int64_t n, int64_t h, const char *next)
+{
+    switch (3 * (P->spans[5 * n + 3] >= 0 ? P->s0_type : F32) + P->s_type) {
+    ROWS_AS(F32, F32); ROWS_AS(F32, F16); ROWS_AS(F32, BF16);
+    ROWS_AS(F16, F32); ROWS_AS(F16, F16); ROWS_AS(F16, BF16);
+    ROWS_AS(BF16, F32); ROWS_AS(BF16, F16); ROWS_AS(BF16, BF16);
+    }
+}
+
+/* Runs task (n, h); next (NULL: none) is the next task's state head in S0, prefetched on the way. */
+static void run_task(const problem *P, const scratch *W, int64_t n, int64_t h, const char *next)
 {
     const int64_t K = P->K, V = P->V, T = P->T;
     const int64_t row = P->spans[5 * n], start = P->spans[5 * n + 1], end = P->spans[5 * n + 2];
     const int64_t in = P->spans[5 * n + 3], out = P->spans[5 * n + 4];
     const int64_t tiles = (V + TILE - 1) / TILE;
 
-    if (end - start == 1 && in >= 0 && out >= 0 && V % TILE == 0
-            && P->s0_stride[3] == 1 && P->s_stride[3] == 1) {
-        decode_task(P, W, n, h);
+    int stores = 0;                  /* per-token states to store */
+    for (int64_t t = 0; P->token_rows && t < end - start; t++)
+        stores |= P->token_rows[n * P->token_cols + t] >= 0;
+    if ((end - start == 1 || stores) && V % TILE == 0 && P->s_stride[3] == 1
+            && (in < 0 || P->s0_stride[3] == 1)) {
+        run_rows(P, W, n, h, next);
         return;
     }
+    /* every tile is read before any state is stored: a token row may be the read row */
     for (int64_t x = 0; x < tiles; x++) {
         const int64_t j0 = x * TILE, tw = V - j0 < TILE ? V - j0 : TILE;
         for (int64_t i = 0; i < K; i++) {
             float *dst = W->tiles + (x * K + i) * TILE;
             if (in >= 0) {
-                const int64_t *st = P->s0_stride;
-                const float *src = P->s0 + in * st[0] + h * st[1] + i * st[2] + j0 * st[3];
+                const int64_t *st = P->s0_stride, at = in * st[0] + h * st[1] + i * st[2] + j0 * st[3];
                 if (st[3] == 1)
-                    memcpy(dst, src, sizeof(float) * tw);
+                    widen(dst, P->s0, at, tw, P->s0_type);
                 else
                     for (int64_t j = 0; j < tw; j++)
-                        dst[j] = src[j * st[3]];
+                        dst[j] = get1(P->s0, at + j * st[3], P->s0_type);
             } else
                 memset(dst, 0, sizeof(float) * tw);
             memset(dst + tw, 0, sizeof(float) * (TILE - tw));
@@ -668,29 +917,11 @@ static void run_task(const problem *P, const scratch *W, int64_t n, int64_t h)
         const int64_t len = end - t < TB ? end - t : TB;
         key_side(P, W, row * T + t, h, len);
         for (int64_t x = 0; x < tiles; x++)
-            run_block(P, W, (vf *)(W->tiles + x * K * TILE), n, row * T + t, h, x * TILE, len);
+            run_block(P, W, (vf *)(W->tiles + x * K * TILE), n, row * T + t, t - start, h, x * TILE, len);
     }
     if (out >= 0)
-        for (int64_t x = 0; x < tiles; x++) {
-            const int64_t j0 = x * TILE, tw = V - j0 < TILE ? V - j0 : TILE;
-            for (int64_t i = 0; i < K; i++) {
-                const int64_t *st = P->s_stride;
-                const float *src = W->tiles + (x * K + i) * TILE, ci = W->c[i];
-                float *dst = P->s + out * st[0] + h * st[1] + i * st[2] + j0 * st[3];
-                if (P->stream_state && st[3] == 1 && tw == TILE && ((uintptr_t)dst & 63) == 0) {
-                    /* streaming stores: a fresh state is not read back soon, and
-                     * they skip reading its old lines in first */
-                    const vf cv = splat(ci);
-                    UNROLL for (int l = 0; l < NV; l++)
-                        put(dst, l * VEC, cv * ((const vf *)src)[l], F32, 1);
-                } else if (st[3] == 1)
-                    for (int64_t j = 0; j < tw; j++)
-                        dst[j] = ci * src[j];
-                else
-                    for (int64_t j = 0; j < tw; j++)
-                        dst[j * st[3]] = ci * src[j];
-            }
-        }
+        for (int64_t x = 0; x < tiles; x++)
+            store_tile(P, W->tiles + x * K * TILE, W->c, out, h, x * TILE, P->stream_state);
 }
 
 typedef struct {
@@ -706,13 +937,14 @@ static void *work(void *arg)
     const problem *P = W->P;
     const int64_t K = P->K, G = P->G, tiles = (P->V + TILE - 1) / TILE;
     scratch s = {.tiles = aligned_alloc(64, sizeof(float) * tiles * K * TILE)};  /* a multiple of 64 bytes */
-    const int64_t floats = TB * (TILE + (4 + 2 * G) * K + G) + K;
+    const int64_t acc = ((G + 2) * P->V + 15) / 16 * 16, floats = acc + TB * (TILE + (4 + 2 * G) * K + G) + K;
     float *f = aligned_alloc(64, sizeof(float) * ((floats + 15) / 16 * 16));
     int *lazy = malloc(sizeof(int) * TB);
     if (!s.tiles || !f || !lazy)
         atomic_store(&W->failed, 1);
     else {
-        s.vw = f;                    /* first: its rows are read as aligned vectors */
+        s.acc = f;                   /* first: acc and vw are read as aligned vectors */
+        s.vw = s.acc + acc;
         s.kb = s.vw + TB * TILE;
         s.qb = s.kb + TB * K;
         s.cd = s.qb + TB * G * K;
@@ -722,8 +954,15 @@ static void *work(void *arg)
         s.kq = s.eq + TB * G * K;
         s.c = s.kq + TB * G;
         s.lazy = lazy;
-        for (int64_t task; (task = atomic_fetch_add(&W->next, 1)) < W->tasks;)
-            run_task(P, &s, task / P->Hv, task % P->Hv);
+        /* each task after the first is claimed while the one before runs, which prefetches its state */
+        const int64_t size = size_of(P->s0_type), *st = P->s0_stride;
+        for (int64_t task = atomic_fetch_add(&W->next, 1), then; task < W->tasks; task = then) {
+            then = atomic_fetch_add(&W->next, 1);
+            const int64_t m = then / P->Hv, in = then < W->tasks ? P->spans[5 * m + 3] : -1;
+            const char *next = in >= 0 && st[3] == 1
+                ? (const char *)P->s0 + (in * st[0] + then % P->Hv * st[1]) * size : NULL;
+            run_task(P, &s, task / P->Hv, task % P->Hv, next);
+        }
     }
     free(s.tiles);
     free(f);
