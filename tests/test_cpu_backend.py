@@ -121,7 +121,8 @@ DECODE = dict(CASE, T=1, V=128, initial_state=True)      # V a multiple of 64: t
     dict(decay="gk", update="beta", Hq=4, Hk=4, Hv=4),
     dict(decay="gk", update="beta", Hq=2, Hk=2, Hv=4),
     dict(decay="g", update="beta", qk_l2norm=True),
-], ids=["gdn-gqa", "gdn2-gqa", "kda", "kda-gva", "gdn-l2norm"])
+    dict(decay="g+gk", update="erase_write", K=99),
+], ids=["gdn-gqa", "gdn2-gqa", "kda", "kda-gva", "gdn-l2norm", "gdn2-K99"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_single_token_decode_from_the_state_where_it_lies(nan_poison, over, dtype):
     args = cases.make_inputs(dict(DECODE, **over), dtype)
@@ -180,3 +181,190 @@ def test_concurrent_calls_and_a_forked_child(monkeypatch):
     os.waitpid(pid, 0)
     os.close(read_end)
     assert answer == b"ok", answer
+
+
+# The kernel called directly (deltarule/kernels/cpu_recurrent.py): per-token state rows and
+# 16-bit state storage, which the backend does not reach yet.
+
+def _operands(B, T, Hq, Hk, Hv, K, V, decay="gk", update="erase_write", seed=0):
+    """Random kernel operands in the kernel's layout (q [B, T, Hq / G, G, K], G = max(1, Hq / Hv))."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=gen)
+
+    G = max(1, Hq // Hv)
+    q = torch.randn(B, T, Hq // G, G, K, generator=gen) / K ** 0.5
+    k = torch.nn.functional.normalize(torch.randn(B, T, Hk, K, generator=gen), dim=-1)
+    x = dict(q=q, k=k, v=torch.randn(B, T, Hv, V, generator=gen), g=None, gk=None)
+    if decay in ("g", "g+gk"):
+        x["g"] = -0.2 * rand(B, T, Hv)
+    if decay in ("gk", "g+gk"):
+        x["gk"] = -0.5 * rand(B, T, Hv, K)
+    if update == "beta":
+        x["b"] = x["w"] = rand(B, T, Hv)
+    else:
+        x["b"], x["w"] = rand(B, T, Hv, K), rand(B, T, Hv, V)
+    return x
+
+
+def _call(x, S0, S, spans, token_rows=None, o=None, stream_state=False, threads=2):
+    """cpu_recurrent.recurrent on operands x; returns o (a fresh torch.empty unless given)."""
+    from deltarule.kernels import cpu_recurrent
+
+    B, T, Hv, V = x["v"].shape
+    if o is None:
+        o = torch.empty(B, T, Hv, x["q"].shape[3], V)
+    spans = torch.tensor(spans, dtype=torch.int64).view(-1, 5)
+    if token_rows is not None:
+        token_rows = torch.tensor(token_rows, dtype=torch.int64)
+    cpu_recurrent.recurrent(**x, S0=S0, S=S, o=o, spans=spans, token_rows=token_rows, owner=None,
+                            scale=x["q"].shape[-1] ** -0.5, l2norm_eps=None, stream_state=stream_state,
+                            threads=threads)
+    return o
+
+
+def _slab(rows, Hv, K, V, dtype=torch.float32, seed=1):
+    """A slab of random states whose rows are not contiguous (a gap of 16 values after each row)."""
+    wide = torch.randn(rows, Hv, K, V + 16, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return wide, wide[..., :V]
+
+
+SPEC = [
+    pytest.param(dict(Hq=8, Hk=4, Hv=4, K=100, V=72, decay="gk", update="erase_write"), id="gqa-kda-erase-write-K100-V72"),
+    pytest.param(dict(Hq=2, Hk=2, Hv=4, K=99, V=128, decay="g+gk", update="erase_write"), id="gva-gdn2-K99-V128"),
+    pytest.param(dict(Hq=8, Hk=4, Hv=4, K=64, V=128, decay="g", update="beta"), id="gqa-gdn-K64-V128"),
+]
+
+
+@pytest.mark.parametrize("shape", SPEC)
+def test_token_rows_equal_chained_single_token_calls(nan_poison, shape):
+    """Speculative verify: each sequence's tokens store their states into token rows (with -1
+    gaps, columns past a sequence's end ignored, the read row one of its own later token rows,
+    one sequence also with a final row). Each stored state, and every output, equals L chained
+    one-token calls; rows nobody addresses stay bit-identical."""
+    Hv, K, V = shape["Hv"], shape["K"], shape["V"]
+    T = 5
+    x = _operands(3, T, **shape)
+    wide, slab = _slab(20, Hv, K, V)
+    before = wide.clone()
+    # (row, start, end, read row, final row), token rows per column; 19 is never addressed
+    spans = [(0, 0, 5, 2, -1), (1, 1, 4, 7, 12), (2, 3, 4, 13, -1)]
+    rows = [[0, 1, 2, 3, 4, 19], [6, -1, 7, 19, 19, 19], [13, 19, 19, 19, 19, 19]]
+    o = _call(x, slab, slab, spans, rows)
+
+    written = {r for n, (_, s, e, _, f) in enumerate(spans) for r in rows[n][:e - s] + [f] if r >= 0}
+    for row in range(20):
+        if row not in written:
+            assert torch.equal(wide[row], before[row]), f"row {row} was not addressed"
+    assert torch.equal(wide[..., V:], before[..., V:]), "the gaps between rows"
+    for n, (row, start, end, read, final) in enumerate(spans):
+        chain = before[..., :V][[read]].clone()              # the chain's state, row 0, in place
+        o_chain = torch.empty_like(o)
+        for t in range(start, end):
+            _call(x, chain, chain, [(row, t, t + 1, 0, 0)], o=o_chain)
+            r = rows[n][t - start]
+            if r >= 0:
+                assert rel(slab[r], chain[0]) < 1e-6, (n, t)
+        if final >= 0:
+            assert rel(slab[final], chain[0]) < 1e-6, n
+        assert rel(o[row, start:end], o_chain[row, start:end]) < 1e-6, n
+        assert torch.isfinite(o[row, start:end]).all()
+
+
+@pytest.mark.parametrize("V", [72, 128])
+def test_single_token_with_a_token_row_in_place_and_elsewhere(V):
+    """One token (the decode path where V is a multiple of the tile): the token row is the read
+    row (in place), another row, or both it and a final row; every read precedes its write."""
+    Hv, K = 4, 100
+    x = _operands(3, 1, 4, 4, Hv, K, V, decay="g", update="beta", seed=3)
+    wide, slab = _slab(8, Hv, K, V)
+    before = wide.clone()
+    _call(x, slab, slab, [(0, 0, 1, 1, -1), (1, 0, 1, 2, -1), (2, 0, 1, 5, 6)], [[1], [3], [4]])
+    fresh = torch.empty(3, Hv, K, V)
+    _call(x, before[..., :V], fresh, [(0, 0, 1, 1, 0), (1, 0, 1, 2, 1), (2, 0, 1, 5, 2)])
+    assert torch.equal(slab[1], fresh[0]) and torch.equal(slab[3], fresh[1])
+    assert torch.equal(slab[4], fresh[2]) and torch.equal(slab[6], fresh[2])
+    for row in (0, 2, 5, 7):
+        assert torch.equal(wide[row], before[row]), row
+
+
+HALF = [torch.bfloat16, torch.float16]
+
+
+def _bits(x):
+    return x.view(torch.int16) if x.dtype != torch.float32 else x.view(torch.int32)
+
+
+def assert_rounded_like_torch(got, s32):
+    """got (16-bit) equals torch's rounding of s32 bit for bit, NaN where s32 is NaN."""
+    want = s32.to(got.dtype)
+    nan = torch.isnan(s32)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(_bits(got)[~nan], _bits(want)[~nan])
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("T,V", [(1, 128), (1, 72), (5, 128)], ids=["decode", "decode-V72", "tokens"])
+def test_16_bit_states_are_widened_and_rounded_like_torch(nan_poison, dtype, T, V):
+    """A 16-bit S0 gives what a float32 call on S0 widened gives (outputs and float32 states bit
+    for bit); 16-bit stores (final and token rows, in place or fresh) are torch's rounding of
+    the float32 result; a NaN in a state spreads the same way and stays NaN."""
+    Hv, K = 4, 100
+    x = _operands(2, T, 8, 4, Hv, K, V, seed=4)
+    wide, slab = _slab(6, Hv, K, V, dtype)
+    slab[3, 1, 7, 5] = float("nan")                          # row 3 is read: column 5 of head 1 turns NaN
+    before = wide.clone()
+    spans = [(0, 0, T, 3, 3), (1, 0, T, 1, -1)]               # in place; a fresh token row
+    rows = [[-1] * T, [-1] * (T - 1) + [4]]
+    wide32 = before.float()
+    o16 = _call(x, slab, slab, spans, rows)
+    o32 = _call(x, wide32[..., :V], wide32[..., :V], spans, rows)
+    assert torch.equal(_bits(o16), _bits(o32))               # NaN outputs in column 5 of head 1 too
+    nan = torch.zeros_like(o32, dtype=torch.bool)
+    nan[0, :, 1, :, 5] = True                                # every other output was written
+    assert torch.equal(torch.isnan(o32), nan)
+    for row in (3, 4):
+        assert_rounded_like_torch(slab[row], wide32[row, ..., :V])
+    for row in (0, 1, 2, 5):
+        assert torch.equal(_bits(wide[row]), _bits(before[row])), row
+    fresh = torch.empty(2, Hv, K, V)                         # a 16-bit S0, a float32 S
+    _call(x, before[..., :V], fresh, [(0, 0, T, 3, 0), (1, 0, T, 1, -1)], [[-1] * T, [-1] * (T - 1) + [1]])
+    assert torch.equal(_bits(fresh), _bits(wide32[[3, 4], ..., :V]))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("T,V", [(1, 128), (2, 72)], ids=["decode", "tiles"])
+def test_16_bit_stores_round_to_nearest_even_at_the_boundaries(dtype, T, V):
+    """Identity steps (k = 0, no decay) store S0 itself: float32 values on and next to the
+    16-bit rounding boundary (ties to even and odd, one ulp either side), that overflow to
+    infinity, 16-bit subnormals and the smallest normals round exactly as torch rounds them.
+    Two NaNs whose float32 bits would round to a number (all mantissa bits set; each spreads
+    to its column through S^T (b k)) stay NaN."""
+    Hv, K = 2, 64
+    x = _operands(1, T, 2, 2, Hv, K, V, decay="g", update="beta", seed=5)
+    x["k"].zero_()
+    x["g"].zero_()
+    gen = torch.Generator().manual_seed(6)
+    low = 16 if dtype == torch.bfloat16 else 13             # float32 mantissa bits below the 16-bit type's
+    big, small = torch.finfo(dtype).max, torch.finfo(dtype).tiny
+    bits = torch.randn(Hv * K * V, generator=gen).to(dtype).float().view(torch.int32)
+    tie = 1 << (low - 1)
+    offsets = torch.tensor([0, tie, tie - 1, tie + 1, 2 * tie - 1, 1], dtype=torch.int32)
+    bits = (bits & ~((1 << low) - 1)) | offsets[torch.arange(bits.numel()) % len(offsets)]
+    values = bits.view(torch.float32).clone()
+    specials = torch.tensor([big, -big, big * (1 + 2.0 ** -8), torch.finfo(torch.float32).max,
+                             small, small / 2, small / 3, small * 0.75, 1e-30, -small / 5, 3.0 ** -20, 65519.0])
+    values[:len(specials)] = specials
+    S0 = values.view(1, Hv, K, V)
+    S0.view(torch.int32)[0, 0, 5, 20] = 0x7fffffff
+    S0.view(torch.int32)[0, 1, 9, 30] = -1                   # 0xffffffff
+    S32 = torch.empty(1, Hv, K, V)
+    S16 = torch.empty(1, Hv, K, V, dtype=dtype)
+    for S in (S32, S16):
+        _call(x, S0, S, [(0, 0, T, 0, 0)])
+    nan = torch.zeros_like(S0, dtype=torch.bool)
+    nan[0, 0, :, 20] = nan[0, 1, :, 30] = True
+    assert torch.equal(torch.isnan(S32), nan) and torch.equal(_bits(S32)[~nan], _bits(S0)[~nan])
+    assert torch.isinf(S16.float()).any()                    # the boundaries were reached
+    assert_rounded_like_torch(S16, S32)

@@ -1,31 +1,33 @@
 """Binding of the native CPU recurrence (`csrc/recurrent.c`, built by `pip install`).
 
-One call runs every (sequence, state head, 64-column value tile) task on
-`threads` OpenMP threads; see the C file for the algorithm. Compute only: the
-caller passes contiguous float32 operands in the API's token-major layout and
+One call runs every (sequence, state head) task on `threads` POSIX threads (the
+caller's and helpers kept between calls); see the C file for the algorithm.
+Compute only: the caller passes operands in the API's token-major layout and
 the int64 span table; nothing is validated here.
+
+The call packs the kernel's `problem` struct with one `struct.pack` (a few
+microseconds; a ctypes.Structure built field by field cost ~14 us per call,
+which a B = 1 decode notices).
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib.util
+import struct
 
 import torch
 
 ABSENT, SCALAR, CHANNEL = 0, 1, 2        # gate forms, as in recurrent.c
 TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # element types, as in recurrent.c
 
-
-class _Problem(ctypes.Structure):
-    _fields_ = ([(name, ctypes.c_void_p) for name in ("q", "k", "v", "g", "gk", "b", "w", "s0", "s", "o",
-                                                      "spans", "owner")]
-                + [(name, ctypes.c_int64) for name in ("N", "T", "Hv", "K", "V", "G", "rq", "rk")]
-                + [(name, ctypes.c_int64 * 4) for name in ("s0_stride", "s_stride")]
-                + [(name, ctypes.c_int) for name in ("b_form", "w_form", "qk_type", "v_type", "gk_type",
-                                                     "b_type", "w_type",
-                                                     "stream_state", "qk_l2norm")]
-                + [(name, ctypes.c_float) for name in ("l2norm_eps", "scale")])
+# recurrent.c's `problem`, field by field in native alignment:
+# q k v g gk b w s0 s o spans token_rows owner (pointers);
+# N T Hv K V G rq rk token_cols, s0_stride[4], s_stride[4] (int64);
+# b_form w_form qk_type v_type gk_type b_type w_type s0_type s_type stream_state qk_l2norm (int);
+# l2norm_eps scale (float)
+_PROBLEM = struct.Struct("@13P17q11i2f")
+_NO_STRIDES = (0, 0, 0, 0)
 
 
 def _load():
@@ -33,8 +35,12 @@ def _load():
     if spec is None or spec.origin is None:
         return None
     lib = ctypes.CDLL(spec.origin)
-    lib.deltarule_recurrent.argtypes = [ctypes.POINTER(_Problem), ctypes.c_int]
+    lib.deltarule_recurrent.argtypes = [ctypes.c_char_p, ctypes.c_int]
     lib.deltarule_recurrent.restype = ctypes.c_int
+    lib.deltarule_problem_size.restype = ctypes.c_size_t
+    if lib.deltarule_problem_size() != struct.calcsize(_PROBLEM.format + "0q"):
+        raise ImportError("deltarule cpu kernel: the binding's problem layout does not match recurrent.c "
+                          "(rebuild: pip install --no-build-isolation -e .)")
     return lib
 
 
@@ -45,23 +51,9 @@ def available() -> bool:
     return _LIB is not None
 
 
-def _ptr(t: torch.Tensor | None):
-    return None if t is None else t.data_ptr()
-
-
-def _type(x: torch.Tensor | None) -> int:
-    return 0 if x is None else TYPES[x.dtype]
-
-
-def _form(x: torch.Tensor | None, channel_dim: int) -> int:
-    if x is None:
-        return ABSENT
-    return CHANNEL if x.dim() == channel_dim else SCALAR
-
-
-def recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, owner, scale: float, l2norm_eps: float | None,
-              stream_state: bool, threads: int) -> None:
-    """Runs the recurrence; writes o and the final states.
+def recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, token_rows, owner, scale: float,
+              l2norm_eps: float | None, stream_state: bool, threads: int) -> None:
+    """Runs the recurrence; writes o and the states that spans and token_rows name.
 
     q [B, T, Hq', G, K], k [B, T, Hk, K] contiguous, one dtype of TYPES;
     v [B, T, Hv, V] contiguous, a dtype of TYPES (Hq' and Hk divide Hv; G
@@ -70,23 +62,57 @@ def recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, owner, scale: float, l2norm
     (the kernel takes exp(gk + g));
     b None | [B, T, Hv] | [B, T, Hv, K]  erase; w None | [B, T, Hv] | [B, T, Hv, V]  write
     (scalar forms float32, per-channel forms a dtype of TYPES);
-    S0 [*, Hv, K, V] (any strides; None: every sequence starts from zeros) and
-    S [*, Hv, K, V] (any strides; may be S0 itself, a slab updated in place)
-    are indexed by the spans' slots; o [B, T, Hv, G, V] contiguous in v's dtype;
-    spans [N, 5] int64 (row, start, end, initial slot or -1, final slot or -1);
+    S0 None (every sequence starts from zeros) | [*, Hv, K, V], any strides, a dtype of TYPES
+    (widened to float32 when read); S [*, Hv, K, V], any strides, a dtype of TYPES (may be S0
+    itself: a slab updated in place); every store into S rounds to nearest even;
+    o [B, T, Hv, G, V] contiguous in v's dtype;
+    spans [N, 5] int64 contiguous: (batch row, start, end, read row of S0 or -1 for zeros,
+    final row of S or -1 for none); a padding sequence has start == end and both rows -1;
+    token_rows None | [N, W] int64 contiguous, W >= every span's length: after token t of
+    sequence n (t < end - start), the state is stored into row token_rows[n, t] of S where
+    that is >= 0 (speculative decoding's per-token states); columns past a span's length
+    are ignored. The final row is stored as well where spans says so. Rows written by
+    different sequences must be distinct, and no sequence may read a row another writes; a
+    sequence's read row may be one of its own token rows (every read of a (sequence, head)
+    happens before its first write);
     owner None | [B*T] int32: the span whose output a token keeps (-1: none);
     l2norm_eps: None, or L2-normalise q and k rows (x / sqrt(sum x^2 + eps)) as they are read;
-    stream_state: write S with streaming stores (past the caches; never for a slab in place).
+    stream_state: write the final states with streaming stores (past the caches; for a
+    fresh state, never for a slab in place); token rows always go past the caches where
+    they are 64-byte aligned, except into the row the sequence reads;
+    threads: threads to use, the caller's included (at most one per (sequence, head)).
     """
     B, T, Hv, V = v.shape
-    K = k.shape[3]
-    s0_stride = S0.stride() if S0 is not None else (0, 0, 0, 0)   # never read without S0
-    P = _Problem(
-        _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(gk), _ptr(b), _ptr(w), _ptr(S0), _ptr(S), _ptr(o),
-        _ptr(spans), _ptr(owner),
-        spans.shape[0], T, Hv, K, V, q.shape[3], Hv // q.shape[2], Hv // k.shape[2],
-        (ctypes.c_int64 * 4)(*s0_stride), (ctypes.c_int64 * 4)(*S.stride()),
-        _form(b, 4), _form(w, 4), TYPES[q.dtype], TYPES[v.dtype], _type(gk), _type(b), _type(w),
-        stream_state, l2norm_eps is not None, 0.0 if l2norm_eps is None else l2norm_eps, scale)
-    if _LIB.deltarule_recurrent(ctypes.byref(P), threads):
+    s0_type = 0
+    if S0 is None:
+        s0, s0_stride = 0, _NO_STRIDES                 # never read without S0
+    else:
+        s0, s0_stride, s0_type = S0.data_ptr(), S0.stride(), TYPES[S0.dtype]
+    if token_rows is None:
+        rows, cols = 0, 0
+    else:
+        rows, cols = token_rows.data_ptr(), token_rows.shape[1]
+    packed = _PROBLEM.pack(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(g), _ptr(gk), _ptr(b), _ptr(w), s0, S.data_ptr(),
+        o.data_ptr(), spans.data_ptr(), rows, _ptr(owner),
+        spans.shape[0], T, Hv, k.shape[3], V, q.shape[3], Hv // q.shape[2], Hv // k.shape[2], cols,
+        *s0_stride, *S.stride(),
+        _form(b), _form(w), TYPES[q.dtype], TYPES[v.dtype], _type(gk), _type(b), _type(w), s0_type,
+        TYPES[S.dtype], bool(stream_state), l2norm_eps is not None,
+        0.0 if l2norm_eps is None else l2norm_eps, scale)
+    if _LIB.deltarule_recurrent(packed, threads):
         raise MemoryError("deltarule cpu kernel: no memory for a thread's tile buffer")
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _type(x: torch.Tensor | None) -> int:
+    return 0 if x is None else TYPES[x.dtype]
+
+
+def _form(x: torch.Tensor | None) -> int:
+    if x is None:
+        return ABSENT
+    return CHANNEL if x.dim() == 4 else SCALAR

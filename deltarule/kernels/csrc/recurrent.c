@@ -3,8 +3,8 @@
  * Tiles. The columns of the state are independent: column j of S only ever
  * meets v_j, w_j and column j itself (S^T (b k) and S^T q are per column, the
  * update adds k u_j). A task owns one (sequence, state head); its state lies
- * in [K, TILE] tiles of TILE value columns, and a tile (32 KB at K = 128)
- * stays in the L1 cache while it runs a block of TB tokens:
+ * in [K, TILE] tiles of TILE value columns, and a tile (16 KB on AVX2, 32 KB on
+ * AVX-512 at K = 128) stays in the L1 cache while it runs a block of TB tokens:
  *
  *   read:    r = S'^T (b*k),  p_g = S'^T q_g            S' = D S, the old state decayed
  *            u = w*v - r,     o_g = scale * (p_g + (q_g . k) u)
@@ -20,9 +20,17 @@
  * to the tiles instead (S-hat = c' S-hat + k u^T) and c restarts at 1.
  *
  * One sweep per token. With the lazy update, token t's update of a tile row
- * and token t+1's reads of the same row share one load: a token costs 12
- * vector operations per tile row (the update FMA and the two read FMAs, the
- * same for scalar, per-key and GDN-2 gates); GQA groups read again per query.
+ * and token t+1's reads of the same row share one load: a token costs 3 FMAs
+ * per tile vector (the update and the two reads, the same for scalar, per-key
+ * and GDN-2 gates); GQA groups read again per query.
+ *
+ * Registers. A sweep keeps its accumulators (u, r and p: 3 NV vectors, times
+ * SUMS partial sums for r and p) in vector registers, so the vector width and
+ * the tiling follow the target: 16 floats with AVX-512 (32 zmm registers: NV = 4,
+ * SUMS = 2, TILE = 64), else 8 (AVX2, 16 ymm registers: NV = 4, SUMS = 1,
+ * TILE = 32, which leaves exactly one register per broadcast and one for the
+ * row). -DDELTARULE_VEC=16 or 8 overrides the choice (16 without AVX-512 runs
+ * as pairs of ymm operations and spills: correct, slow).
  *
  * Blocks. The key-side vectors depend on the head only, not on the tile: they
  * are formed once per token for a block of TB tokens, from the q and k rows
@@ -32,8 +40,22 @@
  *
  * Inputs. q, k and v are read in their own dtype (float32, float16 or
  * bfloat16), widened to float32 as they are staged (and L2-normalised there
- * with qk_l2norm); o is written in v's dtype.
- * Gates and states are float32. Accumulation is float32 throughout.
+ * with qk_l2norm); o is written in v's dtype. Per-channel gates are read in
+ * their own dtype, scalar gates are float32. States are stored as float32,
+ * float16 or bfloat16 (each of S0 and S its own): widened when read, rounded to
+ * nearest even when stored; between a sequence's tokens the state stays
+ * float32 (tiles or a scratch copy, never rounded). Accumulation is float32
+ * throughout.
+ *
+ * Stores. Besides the final state (spans column 5), a sequence may store the
+ * state after each of its tokens into a row of S (token_rows: speculative
+ * decoding's verify step).
+ *
+ * Whole rows. A single token (decode), and a sequence that stores per-token
+ * states, runs token by token on whole state rows instead (see "Whole rows"
+ * below): its state is read from and written to memory, where sequential
+ * sweeps beat tile passes; V must be a multiple of TILE (else the tiles run it,
+ * a token row costing one more pass over the tile).
  *
  * Compute only: contiguous operands, validated by the caller.
  */
@@ -43,79 +65,235 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
-#define VEC 16                       /* floats per vector */
+#ifndef DELTARULE_VEC
+#if defined(__AVX512F__)
+#define DELTARULE_VEC 16
+#else
+#define DELTARULE_VEC 8
+#endif
+#endif
+#define VEC DELTARULE_VEC            /* floats per vector */
+#if VEC == 16
+#define SUMS 2                       /* partial sums of r and p: 4 u + 16 sums + 6 broadcasts + 2 rows of 32 zmm */
+#elif VEC == 8
+#define SUMS 1                       /* 4 u + 8 sums + 3 broadcasts + 1 row = the 16 ymm registers */
+#else
+#error "DELTARULE_VEC must be 8 or 16"
+#endif
 #define NV 4                         /* vectors per tile row */
 #define TILE (VEC * NV)              /* value columns per tile */
 #define TB 16                        /* tokens per block */
 #define LAZY_FLOOR 0x1p-30f
 #define UNROLL _Pragma("GCC unroll 8")
+#define INLINE static inline __attribute__((always_inline))
 
-typedef float vf __attribute__((vector_size(64), aligned(64)));
+typedef float vf __attribute__((vector_size(4 * VEC), aligned(4 * VEC)));
+typedef int32_t vi __attribute__((vector_size(4 * VEC)));
+typedef uint32_t vu __attribute__((vector_size(4 * VEC)));
+typedef uint16_t vh __attribute__((vector_size(2 * VEC), aligned(2)));
 
+/* (an initialiser: GCC 12 builds a loop's splat from inserts, not one broadcast) */
+#if VEC == 16
 static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-/* A store that bypasses the caches (64-byte aligned dst), where the CPU has one. */
-#if defined(__AVX512F__)
-#include <immintrin.h>
-static inline void stream(float *dst, vf x) { _mm512_stream_ps(dst, (__m512)x); }
 #else
-static inline void stream(float *dst, vf x) { memcpy(dst, &x, sizeof x); }
+static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
 #endif
 
 /* Gate forms: 0 absent, 1 scalar per (token, head), 2 per channel. */
 enum { ABSENT = 0, SCALAR = 1, CHANNEL = 2 };
-/* Element types of q, k, v and o. */
+/* Element types of q, k, v, o, per-channel gates and states. */
 enum { F32 = 0, F16 = 1, BF16 = 2 };
 
-/* dst[0:n] = x[off:off+n] widened to float32 */
-static inline void widen(float *dst, const void *x, int64_t off, int64_t n, int type)
+static inline int64_t size_of(int type) { return type == F32 ? 4 : 2; }
+
+/* Stores the `bytes` bytes at src to dst (aligned to the store's width) past the caches,
+ * where the CPU has such stores: for a state written once and not read back soon (its old
+ * lines are not read in first) */
+INLINE void stream(void *dst, const void *src, int bytes)
+{
+#if defined(__AVX512F__)
+    if (bytes % 64 == 0) {
+        for (int i = 0; i < bytes; i += 64)
+            _mm512_stream_si512((void *)((char *)dst + i), _mm512_loadu_si512((const char *)src + i));
+        return;
+    }
+#endif
+#if defined(__AVX__)
+    if (bytes % 32 == 0) {
+        for (int i = 0; i < bytes; i += 32)
+            _mm256_stream_si256((__m256i *)((char *)dst + i), _mm256_loadu_si256((const __m256i *)((const char *)src + i)));
+        return;
+    }
+#endif
+#if defined(__SSE2__)
+    for (int i = 0; i < bytes; i += 16)
+        _mm_stream_si128((__m128i *)((char *)dst + i), _mm_loadu_si128((const __m128i *)((const char *)src + i)));
+#else
+    memcpy(dst, src, bytes);
+#endif
+}
+
+/* A NaN stored as bfloat16: torch's (c10::BFloat16's) quiet NaN */
+#define BF16_NAN 0x7fc0u
+
+/* One element of x (type) at off, widened; one element rounded to nearest even (as torch does;
+ * a bfloat16 NaN stays NaN) */
+static inline float get1(const void *x, int64_t off, int type)
 {
     if (type == F32)
-        memcpy(dst, (const float *)x + off, sizeof(float) * n);
-    else if (type == F16) {
-        const _Float16 *src = (const _Float16 *)x + off;
-        int64_t i = 0;
-#if defined(__AVX512F__)
-        for (; i + VEC <= n; i += VEC)
-            _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
-#endif
-        for (; i < n; i++)
-            dst[i] = (float)src[i];
-    } else {
-        const uint16_t *src = (const uint16_t *)x + off;
-        for (int64_t i = 0; i < n; i++) {
-            const uint32_t bits = (uint32_t)src[i] << 16;
-            memcpy(dst + i, &bits, sizeof bits);
-        }
+        return ((const float *)x)[off];
+    if (type == F16)
+        return (float)((const _Float16 *)x)[off];
+    const uint32_t bits = (uint32_t)((const uint16_t *)x)[off] << 16;
+    float y;
+    memcpy(&y, &bits, sizeof y);
+    return y;
+}
+
+static inline void put1(void *x, int64_t off, float y, int type)
+{
+    if (type == F32)
+        ((float *)x)[off] = y;
+    else if (type == F16)
+        ((_Float16 *)x)[off] = (_Float16)y;
+    else {
+        uint32_t bits;
+        memcpy(&bits, &y, sizeof bits);
+        ((uint16_t *)x)[off] = y != y ? BF16_NAN : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
     }
 }
 
+/* VEC elements of x (type) from off, widened to float32 (type a constant where inlined) */
+INLINE vf get(const void *x, int64_t off, int type)
+{
+    vf y;
+    if (type == F32)
+        memcpy(&y, (const float *)x + off, sizeof y);
+    else if (type == BF16) {
+#if VEC == 8 && defined(__AVX2__)
+        y = (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + off))), 16);
+#elif VEC == 16 && defined(__AVX512F__)
+        y = (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + off))), 16);
+#else
+        vh h;
+        memcpy(&h, (const uint16_t *)x + off, sizeof h);
+        y = (vf)(__builtin_convertvector(h, vu) << 16);
+#endif
+    } else {
+        const uint16_t *src = (const uint16_t *)x + off;
+#if VEC == 16 && defined(__AVX512F__)
+        y = (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
+#elif defined(__F16C__)
+        for (int c = 0; c < VEC; c += 8) {
+            const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + c)));
+            memcpy((float *)&y + c, &z, sizeof z);
+        }
+#else
+        for (int l = 0; l < VEC; l++)
+            y[l] = get1(src, l, F16);
+#endif
+    }
+    return y;
+}
+
+/* y rounded to bfloat16 in the low half of each 32-bit lane: to nearest even, a NaN to
+ * BF16_NAN (the bias would carry a NaN's payload into its exponent and sign) */
+INLINE vu bf16_bits(vf y)
+{
+    const vu bits = (vu)y;
+    const vu r = (bits + 0x7fffu + ((bits >> 16) & 1)) >> 16;
+#if VEC == 8 && defined(__AVX__)
+    return (vu)_mm256_blendv_ps((__m256)r, (__m256)((vu){} + BF16_NAN), _mm256_cmp_ps((__m256)y, (__m256)y, _CMP_UNORD_Q));
+#else
+    const vu nan = (vu)(y != y);
+    return (r & ~nan) | (BF16_NAN & nan);
+#endif
+}
+
+/* x[off:off+VEC] = y rounded to type (a constant where inlined); nt: past the caches (aligned) */
+INLINE void put(void *x, int64_t off, vf y, int type, int nt)
+{
+    if (type == F32) {
+        float *dst = (float *)x + off;
+        if (nt)
+            stream(dst, &y, sizeof y);
+        else
+            memcpy(dst, &y, sizeof y);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)x + off;
+    vh h;
+    if (type == BF16)
+        h = __builtin_convertvector(bf16_bits(y), vh);
+    else {
+#if VEC == 16 && defined(__AVX512F__)
+        const __m256i z = _mm512_cvtps_ph((__m512)y, _MM_FROUND_TO_NEAREST_INT);
+        memcpy(&h, &z, sizeof h);
+#elif defined(__F16C__)
+        for (int c = 0; c < VEC; c += 8) {
+            __m256 z;
+            memcpy(&z, (const float *)&y + c, sizeof z);
+            const __m128i e = _mm256_cvtps_ph(z, _MM_FROUND_TO_NEAREST_INT);
+            memcpy((uint16_t *)&h + c, &e, sizeof e);
+        }
+#else
+        for (int l = 0; l < VEC; l++)
+            put1(&h, l, y[l], F16);
+#endif
+    }
+    if (nt)
+        stream(dst, &h, sizeof h);
+    else
+        memcpy(dst, &h, sizeof h);
+}
+
+INLINE void widen_as(float *dst, const void *x, int64_t off, int64_t n, int type)
+{
+    int64_t i = 0;
+    for (; i + VEC <= n; i += VEC) {
+        const vf y = get(x, off + i, type);
+        memcpy(dst + i, &y, sizeof y);
+    }
+    for (; i < n; i++)
+        dst[i] = get1(x, off + i, type);
+}
+
+/* dst[0:n] = x[off:off+n] widened to float32 */
+static void widen(float *dst, const void *x, int64_t off, int64_t n, int type)
+{
+    if (type == F32)
+        memcpy(dst, (const float *)x + off, sizeof(float) * n);
+    else if (type == F16)
+        widen_as(dst, x, off, n, F16);
+    else
+        widen_as(dst, x, off, n, BF16);
+}
+
+INLINE void narrow_as(void *x, int64_t off, const float *src, int64_t n, int type)
+{
+    int64_t i = 0;
+    for (; i + VEC <= n; i += VEC) {
+        vf y;
+        memcpy(&y, src + i, sizeof y);
+        put(x, off + i, y, type, 0);
+    }
+    for (; i < n; i++)
+        put1(x, off + i, src[i], type);
+}
+
 /* x[off:off+n] = src[0:n] narrowed from float32, rounding to nearest even (as torch does) */
-static inline void narrow(void *x, int64_t off, const float *src, int64_t n, int type)
+static void narrow(void *x, int64_t off, const float *src, int64_t n, int type)
 {
     if (type == F32)
         memcpy((float *)x + off, src, sizeof(float) * n);
-    else if (type == F16) {
-        _Float16 *dst = (_Float16 *)x + off;
-        int64_t i = 0;
-#if defined(__AVX512F__)
-        for (; i + VEC <= n; i += VEC)
-            _mm256_storeu_si256((__m256i *)(dst + i),
-                                _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-#endif
-        for (; i < n; i++)
-            dst[i] = (_Float16)src[i];
-    } else {
-        uint16_t *dst = (uint16_t *)x + off;
-        for (int64_t i = 0; i < n; i++) {
-            uint32_t bits;
-            memcpy(&bits, src + i, sizeof bits);
-            dst[i] = (bits & 0x7fffffffu) > 0x7f800000u
-                ? (uint16_t)((bits >> 16) | 0x40)                         /* NaN stays NaN */
-                : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
-        }
-    }
+    else if (type == F16)
+        narrow_as(x, off, src, n, F16);
+    else
+        narrow_as(x, off, src, n, BF16);
 }
 
 typedef struct {
@@ -124,35 +302,40 @@ typedef struct {
     const void *gk;                  /* NULL or [B, T, Hv, K] per-key log decay (gk_type) */
     const void *b, *w;               /* erase, write: float32 [B, T, Hv], or [B, T, Hv, K] (b, b_type)
                                         and [B, T, Hv, V] (w, w_type), by their forms */
-    const float *s0;                 /* initial states [slot, Hv, K, V] at strides s0_stride */
-    float *s;                        /* final states, strides s_stride (may be s0: a slab in place) */
+    const void *s0;                  /* NULL or states [row, Hv, K, V] (s0_type) at strides s0_stride */
+    void *s;                         /* states (s_type) at strides s_stride (may be s0: a slab in place) */
     void *o;                         /* [B, T, Hv, G, V] (v_type) */
-    const int64_t *spans;            /* [N, 5]: row, start, end, initial slot (-1: zeros), final slot (-1: none) */
+    const int64_t *spans;            /* [N, 5]: row, start, end, read row of s0 (-1: zeros), final row of s (-1: none) */
+    const int64_t *token_rows;       /* NULL or [N, token_cols]: the row of s that takes the state after
+                                        each token of a sequence (-1: none) */
     const int32_t *owner;            /* NULL, or [B*T]: the span whose output a token keeps (-1: none) */
-    int64_t N, T, Hv, K, V, G, rq, rk;
-    int64_t s0_stride[4], s_stride[4];   /* in floats: slot, head, key, value */
+    int64_t N, T, Hv, K, V, G, rq, rk, token_cols;
+    int64_t s0_stride[4], s_stride[4];   /* in elements: row, head, key, value */
     int b_form, w_form;
-    int qk_type, v_type, gk_type, b_type, w_type;
-    int stream_state;                /* write s with streaming stores (a large fresh state) */
+    int qk_type, v_type, gk_type, b_type, w_type, s0_type, s_type;
+    int stream_state;                /* write final states with streaming stores (a large fresh state) */
     int qk_l2norm;                   /* normalise staged q and k rows: x / sqrt(sum x^2 + l2norm_eps) */
     float l2norm_eps;
     float scale;
 } problem;
 
+/* sizeof(problem), for the binding's check of its layout */
+size_t deltarule_problem_size(void) { return sizeof(problem); }
+
 /* A thread's scratch, reused by its tasks. Key-side rows are per token of a block. */
 typedef struct {
-    float *tiles;                    /* [tiles, K, TILE] the head's S-hat, 64-byte aligned */
+    float *tiles;                    /* [tiles, K, TILE] the head's S-hat, 64-byte aligned (whole rows:
+                                        the [K, V] state between tokens) */
     float *kb, *qb;                  /* staged k, q rows: [TB, K], [TB, G*K] */
     float *cd, *eb, *eq, *kq, *kc;   /* [TB, K] c*d, [TB, K] c*d*b*k, [TB, G*K] c*d*q_g, [TB, G] q_g . k,
                                         [TB, K] update factor: k / (c*d) (lazy) or k */
     int *lazy;                       /* [TB] */
     float *c;                        /* [K] the lazy scale after the block's last token */
     float *vw;                       /* [TB, TILE] w*v of one tile, zero-padded */
+    float *acc;                      /* whole rows: [V] r, [G, V] p, [V] u */
 } scratch;
 
-typedef int32_t vi __attribute__((vector_size(64), aligned(64)));
-
-/* exp of 16 floats: exp(x) = 2^n exp(r), n = round(x / ln 2), |r| <= ln(2) / 2, exp(r) by a
+/* exp of VEC floats: exp(x) = 2^n exp(r), n = round(x / ln 2), |r| <= ln(2) / 2, exp(r) by a
  * degree-7 Taylor polynomial; 2^n applied as two factors so that results down to the
  * denormals and up to FLT_MAX come out right. Relative error below 3e-7 where the result is
  * normal (tests/test_cpu_backend.py checks it against float64); overflow gives infinity, NaN
@@ -198,7 +381,7 @@ static inline void exp_shifted(float *out, const float *x, float shift, int64_t 
     }
 }
 
-/* x . y over n floats, in 16 partial sums */
+/* x . y over n floats, in VEC partial sums */
 static inline float dot(const float *x, const float *y, int64_t n)
 {
     vf acc = splat(0);
@@ -217,12 +400,11 @@ static inline float dot(const float *x, const float *y, int64_t n)
     return sum;
 }
 
-/* Rows of NV vectors at any float alignment: the state where it lies (decode). */
-typedef float vfu __attribute__((vector_size(64), aligned(4)));
-#define ROW(S, ld, i, l) (*(const vfu *)((S) + (i) * (ld) + (l) * VEC))
+/* The sweeps read a tile whose row i starts at element i*ld of S (type): the tile buffer
+ * (float32, ld = TILE, aligned), or the state where it lies (decode). */
 
-/* acc = S^T e over a tile whose row i starts at S + i*ld, two partial sums per vector */
-static inline void read_tile(const float *S, int64_t ld, const float *e, int64_t K, vf acc[NV])
+/* acc = S^T e, two partial sums per vector */
+INLINE void read_tile(const void *S, int64_t ld, int type, const float *e, int64_t K, vf acc[NV])
 {
     vf a1[NV];
     UNROLL for (int l = 0; l < NV; l++) acc[l] = a1[l] = splat(0);
@@ -230,41 +412,48 @@ static inline void read_tile(const float *S, int64_t ld, const float *e, int64_t
     for (; i + 1 < K; i += 2) {
         const vf x = splat(e[i]), y = splat(e[i + 1]);
         UNROLL for (int l = 0; l < NV; l++) {
-            acc[l] += x * ROW(S, ld, i, l);
-            a1[l] += y * ROW(S, ld, i + 1, l);
+            acc[l] += x * get(S, i * ld + l * VEC, type);
+            a1[l] += y * get(S, (i + 1) * ld + l * VEC, type);
         }
     }
     if (i < K) {
         const vf x = splat(e[i]);
-        UNROLL for (int l = 0; l < NV; l++) acc[l] += x * ROW(S, ld, i, l);
+        UNROLL for (int l = 0; l < NV; l++) acc[l] += x * get(S, i * ld + l * VEC, type);
     }
     UNROLL for (int l = 0; l < NV; l++) acc[l] += a1[l];
 }
 
-/* r = S^T e and p = S^T f in one sweep */
-static inline void read_tile2(const float *S, int64_t ld, const float *e, const float *f, int64_t K,
-                              vf r[NV], vf p[NV])
+/* r = S^T e and p = S^T f in one sweep, SUMS partial sums per vector */
+INLINE void read_tile2(const void *S, int64_t ld, int type, const float *e, const float *f, int64_t K,
+                       vf r[NV], vf p[NV])
 {
-    vf r1[NV], p1[NV];
-    UNROLL for (int l = 0; l < NV; l++) r[l] = p[l] = r1[l] = p1[l] = splat(0);
+    vf rs[SUMS][NV], ps[SUMS][NV];
+    UNROLL for (int m = 0; m < SUMS; m++) UNROLL for (int l = 0; l < NV; l++) rs[m][l] = ps[m][l] = splat(0);
     int64_t i = 0;
-    for (; i + 1 < K; i += 2) {
-        const vf a = splat(e[i]), b = splat(e[i + 1]), x = splat(f[i]), y = splat(f[i + 1]);
-        UNROLL for (int l = 0; l < NV; l++) {
-            const vf s0 = ROW(S, ld, i, l), s1 = ROW(S, ld, i + 1, l);
-            r[l] += a * s0; p[l] += x * s0;
-            r1[l] += b * s1; p1[l] += y * s1;
+    for (; i + SUMS <= K; i += SUMS)
+        UNROLL for (int m = 0; m < SUMS; m++) {
+            const vf a = splat(e[i + m]), x = splat(f[i + m]);
+            UNROLL for (int l = 0; l < NV; l++) {
+                const vf s = get(S, (i + m) * ld + l * VEC, type);
+                rs[m][l] += a * s;
+                ps[m][l] += x * s;
+            }
         }
-    }
-    if (i < K) {
+    for (; i < K; i++) {
         const vf a = splat(e[i]), x = splat(f[i]);
         UNROLL for (int l = 0; l < NV; l++) {
-            r[l] += a * ROW(S, ld, i, l); p[l] += x * ROW(S, ld, i, l);
+            const vf s = get(S, i * ld + l * VEC, type);
+            rs[0][l] += a * s;
+            ps[0][l] += x * s;
         }
     }
     UNROLL for (int l = 0; l < NV; l++) {
-        r[l] += r1[l];
-        p[l] += p1[l];
+        r[l] = rs[0][l];
+        p[l] = ps[0][l];
+        UNROLL for (int m = 1; m < SUMS; m++) {
+            r[l] += rs[m][l];
+            p[l] += ps[m][l];
+        }
     }
 }
 
@@ -272,31 +461,35 @@ static inline void read_tile2(const float *S, int64_t ld, const float *e, const 
 static inline void update_read(vf *S, const float *kc, const vf u[NV], const float *e, const float *f,
                                int64_t K, vf r[NV], vf p[NV])
 {
-    vf r1[NV], p1[NV];
-    UNROLL for (int l = 0; l < NV; l++) r[l] = p[l] = r1[l] = p1[l] = splat(0);
+    vf rs[SUMS][NV], ps[SUMS][NV];
+    UNROLL for (int m = 0; m < SUMS; m++) UNROLL for (int l = 0; l < NV; l++) rs[m][l] = ps[m][l] = splat(0);
     int64_t i = 0;
-    for (; i + 1 < K; i += 2) {
-        const vf k0 = splat(kc[i]), k1 = splat(kc[i + 1]);
-        const vf a = splat(e[i]), b = splat(e[i + 1]), x = splat(f[i]), y = splat(f[i + 1]);
-        UNROLL for (int l = 0; l < NV; l++) {
-            const vf s0 = S[NV * i + l] + k0 * u[l], s1 = S[NV * (i + 1) + l] + k1 * u[l];
-            S[NV * i + l] = s0;
-            S[NV * (i + 1) + l] = s1;
-            r[l] += a * s0; p[l] += x * s0;
-            r1[l] += b * s1; p1[l] += y * s1;
+    for (; i + SUMS <= K; i += SUMS)
+        UNROLL for (int m = 0; m < SUMS; m++) {
+            const vf k = splat(kc[i + m]), a = splat(e[i + m]), x = splat(f[i + m]);
+            UNROLL for (int l = 0; l < NV; l++) {
+                const vf s = S[NV * (i + m) + l] + k * u[l];
+                S[NV * (i + m) + l] = s;
+                rs[m][l] += a * s;
+                ps[m][l] += x * s;
+            }
         }
-    }
-    if (i < K) {
-        const vf k0 = splat(kc[i]), a = splat(e[i]), x = splat(f[i]);
+    for (; i < K; i++) {
+        const vf k = splat(kc[i]), a = splat(e[i]), x = splat(f[i]);
         UNROLL for (int l = 0; l < NV; l++) {
-            const vf s0 = S[NV * i + l] + k0 * u[l];
-            S[NV * i + l] = s0;
-            r[l] += a * s0; p[l] += x * s0;
+            const vf s = S[NV * i + l] + k * u[l];
+            S[NV * i + l] = s;
+            rs[0][l] += a * s;
+            ps[0][l] += x * s;
         }
     }
     UNROLL for (int l = 0; l < NV; l++) {
-        r[l] += r1[l];
-        p[l] += p1[l];
+        r[l] = rs[0][l];
+        p[l] = ps[0][l];
+        UNROLL for (int m = 1; m < SUMS; m++) {
+            r[l] += rs[m][l];
+            p[l] += ps[m][l];
+        }
     }
 }
 
@@ -379,32 +572,41 @@ static void key_side(const problem *P, const scratch *W, int64_t bt0, int64_t h,
     }
 }
 
+/* vw[0:n] = w*v of token-head th, columns j0 .. j0 + n */
+static void load_wv(const problem *P, int64_t th, int64_t j0, int64_t n, float *vw)
+{
+    const int64_t V = P->V;
+    widen(vw, P->v, th * V + j0, n, P->v_type);
+    if (P->w_form == CHANNEL)
+        for (int64_t j = 0; j < n; j += TILE) {
+            float wt[TILE];
+            const int64_t m = n - j < TILE ? n - j : TILE;
+            widen(wt, P->w, th * V + j0 + j, m, P->w_type);
+            for (int64_t l = 0; l < m; l++)
+                vw[j + l] *= wt[l];
+        }
+    else if (P->w_form == SCALAR) {
+        const float ws = ((const float *)P->w)[th];
+        for (int64_t j = 0; j < n; j++)
+            vw[j] *= ws;
+    }
+}
+
 /* W->vw rows = w*v of the block's len tokens for the tile at column j0, zero-padded */
 static void load_vw(const problem *P, const scratch *W, int64_t bt0, int64_t h, int64_t j0, int64_t len)
 {
     const int64_t V = P->V, Hv = P->Hv, tw = V - j0 < TILE ? V - j0 : TILE;
     for (int64_t s = 0; s < len; s++) {
-        const int64_t th = (bt0 + s) * Hv + h;
         float *vw = W->vw + s * TILE;
-        widen(vw, P->v, th * V + j0, tw, P->v_type);
-        if (P->w_form == CHANNEL) {
-            float wt[TILE];
-            widen(wt, P->w, th * V + j0, tw, P->w_type);
-            for (int64_t j = 0; j < tw; j++)
-                vw[j] *= wt[j];
-        } else if (P->w_form == SCALAR) {
-            const float ws = ((const float *)P->w)[th];
-            for (int64_t j = 0; j < tw; j++)
-                vw[j] *= ws;
-        }
+        load_wv(P, (bt0 + s) * Hv + h, j0, tw, vw);
         for (int64_t j = tw; j < TILE; j++)
             vw[j] = 0.0f;
     }
 }
 
 /* Block token s's outputs o_g = scale (S'^T q_g + (q_g . k) u) for the tile at j0; p0 is
- * the first query's read, further GQA queries read the old tile (rows S + i*ld) again. */
-static void write_outputs(const problem *P, const scratch *W, const float *S, int64_t ld, int64_t n,
+ * the first query's read, further GQA queries read the old tile (rows S + i*ld, type) again. */
+INLINE void write_outputs(const problem *P, const scratch *W, const void *S, int64_t ld, int type, int64_t n,
                           int64_t bt, int64_t s, int64_t h, int64_t j0, const vf p0[NV], const vf u[NV])
 {
     const int64_t K = P->K, V = P->V, G = P->G, th = bt * P->Hv + h;
@@ -417,93 +619,293 @@ static void write_outputs(const problem *P, const scratch *W, const float *S, in
         if (g == 0)
             UNROLL for (int l = 0; l < NV; l++) p[l] = p0[l];
         else
-            read_tile(S, ld, W->eq + (s * G + g) * K, K, p);
+            read_tile(S, ld, type, W->eq + (s * G + g) * K, K, p);
         const vf kq = splat(W->kq[s * G + g]);
         UNROLL for (int l = 0; l < NV; l++) res[l] = sc * (p[l] + kq * u[l]);
         narrow(P->o, (th * G + g) * V + j0, (const float *)res, tw, P->v_type);
     }
 }
 
-/* One tile runs the block's len tokens from token index bt0 (in [B*T]) of sequence n. */
-static void run_block(const problem *P, const scratch *W, vf *S, int64_t n, int64_t bt0, int64_t h,
+/* Streaming stores for the per-token states (token_rows) as well as for the fresh final ones:
+ * a verify step writes one row per token and the next step reads back at most one of them
+ * (docs/performance.md has the measurement). */
+#define STREAM_TOKEN_ROWS 1
+
+/* NV vectors x to dst + off (type); nt: past the caches */
+INLINE void put_row(char *dst, int64_t off, const vf x[NV], int type, int nt)
+{
+#if VEC == 8 && defined(__AVX2__)
+    if (type == BF16) {              /* two vectors per pack and lane fix-up */
+        UNROLL for (int l = 0; l < NV; l += 2) {
+            const __m256i h = _mm256_permute4x64_epi64(
+                _mm256_packus_epi32((__m256i)bf16_bits(x[l]), (__m256i)bf16_bits(x[l + 1])), 0xd8);
+            uint16_t *d = (uint16_t *)dst + off + l * VEC;
+            if (nt)
+                stream(d, &h, sizeof h);
+            else
+                memcpy(d, &h, sizeof h);
+        }
+        return;
+    }
+#endif
+    if (nt)
+        UNROLL for (int l = 0; l < NV; l++) put(dst, off + l * VEC, x[l], type, 1);
+    else
+        UNROLL for (int l = 0; l < NV; l++) put(dst, off + l * VEC, x[l], type, 0);
+}
+
+INLINE void store_rows_as(char *dst, int64_t ld, const float *tile, const float *c, int64_t K, int type, int nt)
+{
+    for (int64_t i = 0; i < K; i++) {
+        const vf ci = splat(c ? c[i] : 1.0f);
+        vf x[NV];
+        UNROLL for (int l = 0; l < NV; l++) x[l] = ci * ((const vf *)tile)[NV * i + l];
+        put_row(dst, i * ld, x, type, nt);
+    }
+}
+
+/* Row `row` of S, head h, columns j0 .. j0 + TILE = diag(c) tile (c NULL: 1), rounded to S's
+ * dtype; nt: with streaming stores where the rows are 64-byte aligned. */
+static void store_tile(const problem *P, const float *tile, const float *c, int64_t row, int64_t h, int64_t j0,
+                       int nt)
+{
+    const int64_t K = P->K, tw = P->V - j0 < TILE ? P->V - j0 : TILE, *st = P->s_stride;
+    const int type = P->s_type;
+    char *dst = (char *)P->s + (row * st[0] + h * st[1] + j0 * st[3]) * size_of(type);
+    if (st[3] == 1 && tw == TILE) {
+        nt = nt && ((uintptr_t)dst & 63) == 0 && (st[2] * size_of(type)) % 64 == 0;
+        if (type == F32)
+            store_rows_as(dst, st[2], tile, c, K, F32, nt);
+        else if (type == F16)
+            store_rows_as(dst, st[2], tile, c, K, F16, nt);
+        else
+            store_rows_as(dst, st[2], tile, c, K, BF16, nt);
+    } else
+        for (int64_t i = 0; i < K; i++) {
+            const float ci = c ? c[i] : 1.0f;
+            for (int64_t j = 0; j < tw; j++)
+                put1(dst, i * st[2] + j * st[3], ci * tile[i * TILE + j], type);
+        }
+}
+
+/* One tile runs the block's len tokens from token index bt0 (in [B*T]), token t0 of sequence n. */
+static void run_block(const problem *P, const scratch *W, vf *S, int64_t n, int64_t bt0, int64_t t0, int64_t h,
                       int64_t j0, int64_t len)
 {
     const int64_t K = P->K, G = P->G;
+    const int64_t *rows = P->token_rows ? P->token_rows + n * P->token_cols + t0 : NULL;
     load_vw(P, W, bt0, h, j0, len);
     vf r[NV], p0[NV];                /* token s's reads: S'^T (b k) and S'^T q_0 */
-    read_tile2((const float *)S, TILE, W->eb, W->eq, K, r, p0);
+    read_tile2(S, TILE, F32, W->eb, W->eq, K, r, p0);
     for (int64_t s = 0; s < len; s++) {
         vf u[NV];
         UNROLL for (int l = 0; l < NV; l++) u[l] = ((const vf *)(W->vw + s * TILE))[l] - r[l];
-        write_outputs(P, W, (const float *)S, TILE, n, bt0 + s, s, h, j0, p0, u);
+        write_outputs(P, W, S, TILE, F32, n, bt0 + s, s, h, j0, p0, u);
         const float *kc = W->kc + s * K, *cd = W->cd + s * K;
         if (s + 1 < len && W->lazy[s])
             update_read(S, kc, u, W->eb + (s + 1) * K, W->eq + (s + 1) * G * K, K, r, p0);
         else {
             update(S, kc, cd, W->lazy[s], u, K);
             if (s + 1 < len)
-                read_tile2((const float *)S, TILE, W->eb + (s + 1) * K, W->eq + (s + 1) * G * K, K, r, p0);
+                read_tile2(S, TILE, F32, W->eb + (s + 1) * K, W->eq + (s + 1) * G * K, K, r, p0);
+        }
+        if (rows && rows[s] >= 0)    /* S = diag(c) S-hat, c = c*d after a lazy token, else 1 */
+            store_tile(P, (const float *)S, W->lazy[s] ? cd : NULL, rows[s], h, j0, STREAM_TOKEN_ROWS);
+    }
+}
+
+/* Whole rows. Single-token steps (decode) and sequences that store per-token states run token
+ * by token on whole state rows rather than tiles: a tile pass touches TILE columns of every row
+ * (128 of each 512 bytes on AVX2 at V = 128), and such strided passes over a state in memory
+ * moved about half the bytes per second of sequential ones here (docs/performance.md). A token
+ * reads the state twice, r and p in one pass (ROWS rows at a time over accumulators in L1), then
+ * the update S' = D S + k u^T, written to every destination in the same sequential sweep: the
+ * next token's float32 state, the token's row, the final row. */
+#define ROWS 4
+
+/* The next task's state rows, to prefetch while this one computes: row i lies at at + i * pitch,
+ * bytes long (at NULL: nothing to prefetch). */
+typedef struct {
+    const char *at;
+    int64_t pitch, bytes;
+} ahead;
+
+INLINE void prefetch(const ahead *A, int64_t i)
+{
+    if (A->at)
+        for (int64_t b = 0; b < A->bytes; b += 64)
+            __builtin_prefetch(A->at + i * A->pitch + b);
+}
+
+/* ra = S^T e (unless e is NULL) and rb = S^T f over whole rows: row i at element i*ld of S
+ * (type), V a multiple of VEC */
+INLINE void read_rows(const void *S, int64_t ld, int type, const float *e, const float *f, int64_t K, int64_t V,
+                      float *ra, float *rb)
+{
+    for (int64_t j = 0; j < V; j++) {
+        rb[j] = 0.0f;
+        if (e)
+            ra[j] = 0.0f;
+    }
+    for (int64_t i = 0; i < K; i += ROWS) {
+        const int rows = K - i < ROWS ? (int)(K - i) : ROWS;
+        vf a[ROWS], b[ROWS];
+        UNROLL for (int m = 0; m < ROWS; m++) {
+            a[m] = splat(e && m < rows ? e[i + m] : 0.0f);
+            b[m] = splat(m < rows ? f[i + m] : 0.0f);
+        }
+        if (rows == ROWS)
+            for (int64_t j = 0; j < V; j += VEC) {
+                vf x = e ? *(const vf *)(ra + j) : splat(0), y = *(const vf *)(rb + j);
+                UNROLL for (int m = 0; m < ROWS; m++) {
+                    const vf s = get(S, (i + m) * ld + j, type);
+                    x += a[m] * s;
+                    y += b[m] * s;
+                }
+                if (e)
+                    *(vf *)(ra + j) = x;
+                *(vf *)(rb + j) = y;
+            }
+        else
+            for (int m = 0; m < rows; m++)
+                for (int64_t j = 0; j < V; j += VEC) {
+                    const vf s = get(S, (i + m) * ld + j, type);
+                    if (e)
+                        *(vf *)(ra + j) += a[m] * s;
+                    *(vf *)(rb + j) += b[m] * s;
+                }
+    }
+}
+
+/* A whole-rows step's destinations: dst (NULL or the next token's float32 state, [K, V]; may be
+ * the source), rows d1, d2 of S (NULL: none; nt: streaming stores) */
+typedef struct {
+    float *dst;
+    char *d1, *d2;
+    int nt1, nt2;
+} targets;
+
+/* One token (token-head th at bt) from the state at src (rows ld0 elements apart, in_type) to D
+ * (out_type); the update prefetches A's rows. Each element is read before it is written. */
+INLINE void step_as(const problem *P, const scratch *W, int64_t n, int64_t bt, int64_t h, const char *src,
+                    int64_t ld0, const targets *D, const ahead *A, int in_type, int out_type)
+{
+    const int64_t K = P->K, V = P->V, G = P->G, ld = P->s_stride[2], th = bt * P->Hv + h;
+    float *r = W->acc, *p = r + V, *u = p + G * V;
+    float *dst = D->dst;
+    char *d1 = D->d1, *d2 = D->d2;
+    const int nt1 = D->nt1, nt2 = D->nt2;
+    const float *cd = W->cd, *kb = W->kb;
+    for (int64_t i = 0; i < K; i++)
+        W->c[i] = 1.0f;              /* the state is explicit between tokens: no lazy scale */
+    key_side(P, W, bt, h, 1);
+    read_rows(src, ld0, in_type, W->eb, W->eq, K, V, r, p);
+    for (int64_t g = 1; g < G; g++)
+        read_rows(src, ld0, in_type, NULL, W->eq + g * K, K, V, NULL, p + g * V);
+    load_wv(P, th, 0, V, u);
+    for (int64_t j = 0; j < V; j++)
+        u[j] -= r[j];
+    if (P->owner == NULL || P->owner[bt] == n)
+        for (int64_t g = 0; g < G; g++) {
+            const float kq = W->kq[g];
+            float *o = p + g * V;
+            for (int64_t j = 0; j < V; j++)
+                o[j] = P->scale * (o[j] + kq * u[j]);
+            narrow(P->o, (th * G + g) * V, o, V, P->v_type);
+        }
+    for (int64_t i = 0; i < K; i++) {
+        const vf dd = splat(cd[i]), kk = splat(kb[i]);
+        prefetch(A, i);
+        for (int64_t j = 0; j < V; j += TILE) {
+            vf x[NV];
+            UNROLL for (int l = 0; l < NV; l++)
+                x[l] = dd * get(src, i * ld0 + j + l * VEC, in_type) + kk * *(const vf *)(u + j + l * VEC);
+            if (dst)
+                UNROLL for (int l = 0; l < NV; l++) *(vf *)(dst + i * V + j + l * VEC) = x[l];
+            if (d1)
+                put_row(d1, i * ld + j, x, out_type, nt1);
+            if (d2)
+                put_row(d2, i * ld + j, x, out_type, nt2);
         }
     }
 }
 
-/* Decode: one token from the state where it lies (rows of V contiguous floats, V a multiple
- * of TILE) straight to the final state, S = D S0 + k u^T, without the tile buffer. */
-static void decode_task(const problem *P, const scratch *W, int64_t n, int64_t h)
+/* Sequence n's tokens for head h on whole rows; next: the next task's state head (prefetched) */
+INLINE void rows_as(const problem *P, const scratch *W, int64_t n, int64_t h, const char *next, int in_type,
+                    int out_type)
 {
     const int64_t K = P->K, V = P->V, T = P->T;
-    const int64_t bt = P->spans[5 * n] * T + P->spans[5 * n + 1];
+    const int64_t bt = P->spans[5 * n] * T + P->spans[5 * n + 1], len = P->spans[5 * n + 2] - P->spans[5 * n + 1];
     const int64_t in = P->spans[5 * n + 3], out = P->spans[5 * n + 4];
-    const int64_t *st0 = P->s0_stride, *st = P->s_stride;
-    for (int64_t i = 0; i < K; i++)
-        W->c[i] = 1.0f;
-    key_side(P, W, bt, h, 1);
-    for (int64_t j0 = 0; j0 < V; j0 += TILE) {
-        const float *src = P->s0 + in * st0[0] + h * st0[1] + j0;
-        float *dst = P->s + out * st[0] + h * st[1] + j0;
-        vf r[NV], p0[NV], u[NV];
-        load_vw(P, W, bt, h, j0, 1);
-        read_tile2(src, st0[2], W->eb, W->eq, K, r, p0);
-        UNROLL for (int l = 0; l < NV; l++) u[l] = ((const vf *)W->vw)[l] - r[l];
-        write_outputs(P, W, src, st0[2], n, bt, 0, h, j0, p0, u);
-        const int stream_out = P->stream_state && ((uintptr_t)dst & 63) == 0 && (st[2] & (VEC - 1)) == 0;
-        for (int64_t i = 0; i < K; i++) {
-            const vf dd = splat(W->cd[i]), kk = splat(W->kb[i]);
-            UNROLL for (int l = 0; l < NV; l++) {
-                const vf x = dd * ROW(src, st0[2], i, l) + kk * u[l];
-                if (stream_out)
-                    stream(dst + i * st[2] + l * VEC, x);
-                else
-                    memcpy(dst + i * st[2] + l * VEC, &x, sizeof x);
-            }
-        }
+    const int64_t *st0 = P->s0_stride, *st = P->s_stride, out_size = size_of(out_type);
+    const int aligned = (st[2] * out_size) % 64 == 0;
+    float *state = W->tiles;         /* [K, V] between tokens */
+    const char *src = (const char *)state;
+    int64_t ld0 = V;
+    if (in >= 0) {
+        src = (const char *)P->s0 + (in * st0[0] + h * st0[1]) * size_of(in_type);
+        ld0 = st0[2];
+    } else
+        memset(state, 0, sizeof(float) * K * V);
+    for (int64_t t = 0; t < len; t++) {
+        const int64_t tr = P->token_rows ? P->token_rows[n * P->token_cols + t] : -1;
+        const int last = t + 1 == len;
+        targets D = {last ? NULL : state, NULL, NULL, 0, 0};
+        if (last && out >= 0)
+            D.d1 = (char *)P->s + (out * st[0] + h * st[1]) * out_size;
+        if (tr >= 0)
+            D.d2 = (char *)P->s + (tr * st[0] + h * st[1]) * out_size;
+        /* past the caches where aligned, except into the row being read (its lines are cached) */
+        D.nt1 = P->stream_state && aligned && ((uintptr_t)D.d1 & 63) == 0 && D.d1 != src;
+        D.nt2 = STREAM_TOKEN_ROWS && aligned && ((uintptr_t)D.d2 & 63) == 0 && D.d2 != src;
+        const int64_t size = size_of(P->s0_type);
+        const ahead A = {last ? next : NULL, st0[2] * size, V * size};
+        if (t == 0)
+            step_as(P, W, n, bt, h, src, ld0, &D, &A, in_type, out_type);
+        else
+            step_as(P, W, n, bt + t, h, (const char *)state, V, &D, &A, F32, out_type);
     }
 }
 
-static void run_task(const problem *P, const scratch *W, int64_t n, int64_t h)
+#define ROWS_AS(a, b) case 3 * (a) + (b): rows_as(P, W, n, h, next, a, b); break
+
+static void run_rows(const problem *P, const scratch *W, int64_t n, int64_t h, const char *next)
+{
+    switch (3 * (P->spans[5 * n + 3] >= 0 ? P->s0_type : F32) + P->s_type) {
+    ROWS_AS(F32, F32); ROWS_AS(F32, F16); ROWS_AS(F32, BF16);
+    ROWS_AS(F16, F32); ROWS_AS(F16, F16); ROWS_AS(F16, BF16);
+    ROWS_AS(BF16, F32); ROWS_AS(BF16, F16); ROWS_AS(BF16, BF16);
+    }
+}
+
+/* Runs task (n, h); next (NULL: none) is the next task's state head in S0, prefetched on the way. */
+static void run_task(const problem *P, const scratch *W, int64_t n, int64_t h, const char *next)
 {
     const int64_t K = P->K, V = P->V, T = P->T;
     const int64_t row = P->spans[5 * n], start = P->spans[5 * n + 1], end = P->spans[5 * n + 2];
     const int64_t in = P->spans[5 * n + 3], out = P->spans[5 * n + 4];
     const int64_t tiles = (V + TILE - 1) / TILE;
 
-    if (end - start == 1 && in >= 0 && out >= 0 && V % TILE == 0
-            && P->s0_stride[3] == 1 && P->s_stride[3] == 1) {
-        decode_task(P, W, n, h);
+    int stores = 0;                  /* per-token states to store */
+    for (int64_t t = 0; P->token_rows && t < end - start; t++)
+        stores |= P->token_rows[n * P->token_cols + t] >= 0;
+    if ((end - start == 1 || stores) && V % TILE == 0 && P->s_stride[3] == 1
+            && (in < 0 || P->s0_stride[3] == 1)) {
+        run_rows(P, W, n, h, next);
         return;
     }
+    /* every tile is read before any state is stored: a token row may be the read row */
     for (int64_t x = 0; x < tiles; x++) {
         const int64_t j0 = x * TILE, tw = V - j0 < TILE ? V - j0 : TILE;
         for (int64_t i = 0; i < K; i++) {
             float *dst = W->tiles + (x * K + i) * TILE;
             if (in >= 0) {
-                const int64_t *st = P->s0_stride;
-                const float *src = P->s0 + in * st[0] + h * st[1] + i * st[2] + j0 * st[3];
+                const int64_t *st = P->s0_stride, at = in * st[0] + h * st[1] + i * st[2] + j0 * st[3];
                 if (st[3] == 1)
-                    memcpy(dst, src, sizeof(float) * tw);
+                    widen(dst, P->s0, at, tw, P->s0_type);
                 else
                     for (int64_t j = 0; j < tw; j++)
-                        dst[j] = src[j * st[3]];
+                        dst[j] = get1(P->s0, at + j * st[3], P->s0_type);
             } else
                 memset(dst, 0, sizeof(float) * tw);
             memset(dst + tw, 0, sizeof(float) * (TILE - tw));
@@ -515,29 +917,11 @@ static void run_task(const problem *P, const scratch *W, int64_t n, int64_t h)
         const int64_t len = end - t < TB ? end - t : TB;
         key_side(P, W, row * T + t, h, len);
         for (int64_t x = 0; x < tiles; x++)
-            run_block(P, W, (vf *)(W->tiles + x * K * TILE), n, row * T + t, h, x * TILE, len);
+            run_block(P, W, (vf *)(W->tiles + x * K * TILE), n, row * T + t, t - start, h, x * TILE, len);
     }
     if (out >= 0)
-        for (int64_t x = 0; x < tiles; x++) {
-            const int64_t j0 = x * TILE, tw = V - j0 < TILE ? V - j0 : TILE;
-            for (int64_t i = 0; i < K; i++) {
-                const int64_t *st = P->s_stride;
-                const float *src = W->tiles + (x * K + i) * TILE, ci = W->c[i];
-                float *dst = P->s + out * st[0] + h * st[1] + i * st[2] + j0 * st[3];
-                if (P->stream_state && st[3] == 1 && tw == TILE && ((uintptr_t)dst & 63) == 0) {
-                    /* streaming stores: a fresh state is not read back soon, and
-                     * they skip reading its old lines in first */
-                    const vf cv = splat(ci);
-                    UNROLL for (int l = 0; l < NV; l++)
-                        stream(dst + l * VEC, cv * ((const vf *)src)[l]);
-                } else if (st[3] == 1)
-                    for (int64_t j = 0; j < tw; j++)
-                        dst[j] = ci * src[j];
-                else
-                    for (int64_t j = 0; j < tw; j++)
-                        dst[j * st[3]] = ci * src[j];
-            }
-        }
+        for (int64_t x = 0; x < tiles; x++)
+            store_tile(P, W->tiles + x * K * TILE, W->c, out, h, x * TILE, P->stream_state);
 }
 
 typedef struct {
@@ -553,13 +937,14 @@ static void *work(void *arg)
     const problem *P = W->P;
     const int64_t K = P->K, G = P->G, tiles = (P->V + TILE - 1) / TILE;
     scratch s = {.tiles = aligned_alloc(64, sizeof(float) * tiles * K * TILE)};  /* a multiple of 64 bytes */
-    const int64_t floats = TB * (TILE + (4 + 2 * G) * K + G) + K;
-    float *f = aligned_alloc(64, sizeof(float) * ((floats + VEC - 1) / VEC * VEC));
+    const int64_t acc = ((G + 2) * P->V + 15) / 16 * 16, floats = acc + TB * (TILE + (4 + 2 * G) * K + G) + K;
+    float *f = aligned_alloc(64, sizeof(float) * ((floats + 15) / 16 * 16));
     int *lazy = malloc(sizeof(int) * TB);
     if (!s.tiles || !f || !lazy)
         atomic_store(&W->failed, 1);
     else {
-        s.vw = f;                    /* first: its rows are read as aligned vectors */
+        s.acc = f;                   /* first: acc and vw are read as aligned vectors */
+        s.vw = s.acc + acc;
         s.kb = s.vw + TB * TILE;
         s.qb = s.kb + TB * K;
         s.cd = s.qb + TB * G * K;
@@ -569,8 +954,15 @@ static void *work(void *arg)
         s.kq = s.eq + TB * G * K;
         s.c = s.kq + TB * G;
         s.lazy = lazy;
-        for (int64_t task; (task = atomic_fetch_add(&W->next, 1)) < W->tasks;)
-            run_task(P, &s, task / P->Hv, task % P->Hv);
+        /* each task after the first is claimed while the one before runs, which prefetches its state */
+        const int64_t size = size_of(P->s0_type), *st = P->s0_stride;
+        for (int64_t task = atomic_fetch_add(&W->next, 1), then; task < W->tasks; task = then) {
+            then = atomic_fetch_add(&W->next, 1);
+            const int64_t m = then / P->Hv, in = then < W->tasks ? P->spans[5 * m + 3] : -1;
+            const char *next = in >= 0 && st[3] == 1
+                ? (const char *)P->s0 + (in * st[0] + then % P->Hv * st[1]) * size : NULL;
+            run_task(P, &s, task / P->Hv, task % P->Hv, next);
+        }
     }
     free(s.tiles);
     free(f);
