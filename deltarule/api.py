@@ -277,6 +277,8 @@ def validate(
 
 
 def _finite_real(x) -> bool:
+    if type(x) is float:                            # the common case, before the slow ABC check
+        return math.isfinite(x)
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         return False
     try:

@@ -75,6 +75,9 @@ class BatchPlan:
         num_slots: the slab's row count with `state_indices`, else None.
         varlen: built from `cu_seqlens` or `seq_lens`.
         device: where its index tensors (and the call's tensors) live.
+        N, max_len: the number of sequences and the longest one's tokens.
+        steps: token steps plus sequences (the work measure backends size threads by).
+        dense: sequence n is batch row n, whole and live (no packing, no owner table).
     """
 
     B: int
@@ -84,13 +87,27 @@ class BatchPlan:
     num_slots: int | None
     varlen: bool
     device: torch.device
+    # derived once at construction (every call of a reused plan reads them)
+    N: int = field(init=False)
+    max_len: int = field(init=False)
+    steps: int = field(init=False)
+    dense: bool = field(init=False)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    @property
-    def N(self) -> int:
-        """Number of sequences (and of returned state rows without a slab)."""
-        return len(self.spans)
+    def __post_init__(self):
+        derived = {
+            # number of sequences (and of returned state rows without a slab)
+            "N": len(self.spans),
+            "max_len": max((s.length for s in self.spans), default=0),
+            # token steps plus sequences (each reads and writes a state once): the work
+            # measure backends size their threads by
+            "steps": sum(s.length + 1 for s in self.spans),
+            # sequence n is batch row n, whole and live: no packing, no owner table
+            "dense": not self.varlen and all(s.live for s in self.spans),
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     @property
     def in_place(self) -> bool:
@@ -101,15 +118,6 @@ class BatchPlan:
     def speculative(self) -> bool:
         """Per-token state rows (2-D `state_indices`)."""
         return self.token_rows is not None
-
-    @property
-    def max_len(self) -> int:
-        return max((s.length for s in self.spans), default=0)
-
-    @property
-    def dense(self) -> bool:
-        """Sequence n is batch row n, whole and live: no packing, no owner table."""
-        return not self.varlen and all(s.live for s in self.spans)
 
     def cached(self, key, build):
         """`build()` on first use for `key`, then the same object: the device tables a

@@ -16,7 +16,7 @@ def test_check_prints_a_table_and_passes(capsys):
     assert main(["check", "--backend", "torch", "--case", "slab-", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
     assert "slab-all-padding" in out and "FAIL" not in out
-    assert "backend torch: 4 passed, 0 failed, 0 declined" in out
+    assert "backend torch: 6 passed, 0 failed, 0 declined" in out     # slab-B3.., slab-bf16.., ..
 
 
 def test_check_fails_on_a_wrong_backend_result(capsys, monkeypatch):

@@ -30,10 +30,14 @@ DESCRIPTION = "native V-tiled recurrence (C, OpenMP, AVX-512 where present)"
 SUPPORTS = dict(EVERYTHING, devices="CPU tensors")
 # Outputs of at least this many bytes come from `_POOL` (below): NumPy memory on
 # transparent huge pages, recycled once the caller drops the tensor, so they
-# cost no page faults after the first call (torch's allocator maps and unmaps
-# blocks this size: a fresh 1 MB decode state cost ~0.17 ms of faults, a
-# 32 MB prefill output ~25 ms; docs/performance.md).
-POOL_MIN_BYTES = 1 << 18
+# cost no page faults after the first call. glibc maps every block of 32 MB and
+# more afresh (its largest mmap threshold): a 32 MB prefill output cost ~25 ms of
+# faults. Smaller blocks come back from malloc's heap once the threshold has
+# risen, faster than the pool's bookkeeping: on the AVX2 CI machine a 1 MB
+# decode state took 14 us from the pool and 1 us from torch.empty, and a B = 1
+# decode call ran 187 -> 156 us with the smaller ones left to torch
+# (docs/performance.md).
+POOL_MIN_BYTES = 1 << 25
 # The pool keeps at most this many bytes of dropped outputs for reuse.
 POOL_BYTES = 1 << 30
 # Each extra thread is created per call (tens of microseconds), so a call gets
@@ -69,7 +73,7 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         S = _empty((p.N, p.Hv, p.V, p.K) if p.state_layout == "vk" else (p.N, p.Hv, p.K, p.V), p.state_dtype)
         if p.state_layout == "vk":
             S = S.transpose(-1, -2)
-    steps = sum(s.length + 1 for s in p.spans) * p.Hv * p.K * p.V
+    steps = p.plan.steps * p.Hv * p.K * p.V
     threads = max(1, min(torch.get_num_threads(), steps // ELEMENT_STEPS_PER_THREAD))
     # a fresh final state goes past the caches (decode B = 8 and 64: 1.5x faster than
     # plain stores, B = 1 no slower); a slab row is read back by the next step
