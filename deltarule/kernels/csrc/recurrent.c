@@ -65,6 +65,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
@@ -886,6 +887,8 @@ static void run_task(const problem *P, const scratch *W, int64_t n, int64_t h, c
     const int64_t in = P->spans[5 * n + 3], out = P->spans[5 * n + 4];
     const int64_t tiles = (V + TILE - 1) / TILE;
 
+    if (start == end && out < 0)     /* padding: no token, no state to write */
+        return;
     int stores = 0;                  /* per-token states to store */
     for (int64_t t = 0; P->token_rows && t < end - start; t++)
         stores |= P->token_rows[n * P->token_cols + t] >= 0;
@@ -931,20 +934,41 @@ typedef struct {
     atomic_int failed;
 } pool;
 
+/* A thread's scratch memory, kept for its next call (freed when the thread exits): a
+ * fresh allocation of this size was page-faulted in again on every call (helper
+ * threads' malloc arenas hand it back), which cost a B = 1 decode ~40 us. */
+static pthread_key_t kept_key;
+static __thread struct {
+    void *mem;
+    size_t bytes;
+} kept;
+
+static void *scratch_memory(size_t bytes)
+{
+    if (kept.bytes < bytes) {
+        free(kept.mem);
+        kept.mem = aligned_alloc(64, bytes);
+        kept.bytes = kept.mem ? bytes : 0;
+        pthread_setspecific(kept_key, kept.mem);
+    }
+    return kept.mem;
+}
+
 static void *work(void *arg)
 {
     pool *W = arg;
     const problem *P = W->P;
     const int64_t K = P->K, G = P->G, tiles = (P->V + TILE - 1) / TILE;
-    scratch s = {.tiles = aligned_alloc(64, sizeof(float) * tiles * K * TILE)};  /* a multiple of 64 bytes */
-    const int64_t acc = ((G + 2) * P->V + 15) / 16 * 16, floats = acc + TB * (TILE + (4 + 2 * G) * K + G) + K;
-    float *f = aligned_alloc(64, sizeof(float) * ((floats + 15) / 16 * 16));
-    int *lazy = malloc(sizeof(int) * TB);
-    if (!s.tiles || !f || !lazy)
+    const int64_t acc = ((G + 2) * P->V + 15) / 16 * 16;
+    const int64_t floats = (acc + TB * (TILE + (4 + 2 * G) * K + G) + K + 15) / 16 * 16;
+    const size_t tile_bytes = sizeof(float) * tiles * K * TILE;     /* a multiple of 64 */
+    char *mem = scratch_memory(tile_bytes + sizeof(float) * floats + sizeof(int) * TB);
+    if (!mem)
         atomic_store(&W->failed, 1);
     else {
-        s.acc = f;                   /* first: acc and vw are read as aligned vectors */
-        s.vw = s.acc + acc;
+        scratch s = {.tiles = (float *)mem, .acc = (float *)(mem + tile_bytes)};
+        float *f = s.acc;            /* acc and vw first: they are read as aligned vectors */
+        s.vw = f + acc;
         s.kb = s.vw + TB * TILE;
         s.qb = s.kb + TB * K;
         s.cd = s.qb + TB * G * K;
@@ -953,7 +977,7 @@ static void *work(void *arg)
         s.eq = s.kc + TB * K;
         s.kq = s.eq + TB * G * K;
         s.c = s.kq + TB * G;
-        s.lazy = lazy;
+        s.lazy = (int *)(f + floats);
         /* each task after the first is claimed while the one before runs, which prefetches its state */
         const int64_t size = size_of(P->s0_type), *st = P->s0_stride;
         for (int64_t task = atomic_fetch_add(&W->next, 1), then; task < W->tasks; task = then) {
@@ -964,27 +988,40 @@ static void *work(void *arg)
             run_task(P, &s, task / P->Hv, task % P->Hv, next);
         }
     }
-    free(s.tiles);
-    free(f);
-    free(lazy);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);   /* orders the streaming stores before the join */
     return NULL;
 }
 
-/* The helper threads, kept between calls: creating a thread costs ~30-40 us here,
- * a wake-up on the condition variable much less. Idle helpers block (no spinning
- * beside torch's threads). One call at a time uses them; a concurrent call runs
- * on its own thread alone. A forked child starts with none. */
+/* The helper threads, kept between calls (creating a thread costs tens of microseconds).
+ * Idle helpers block (no spinning beside torch's threads). On this VM a wake-up
+ * is slow: the signal costs the caller ~10 us and the helper arrives ~15-30 us
+ * later (an idle vCPU is woken), a large part of a B = 1 decode (~70 us of
+ * tasks). So the call never waits for a helper to arrive: once the calling
+ * thread finds no task left it closes the call, a helper that arrives later
+ * stays out, and the caller waits only for those that joined, spinning up to
+ * JOIN_SPIN_NS for their last task before it blocks (being woken would cost
+ * it another ~15 us). One call at a time uses them; a concurrent call runs on
+ * its own thread alone. A forked child starts with none. */
+#define JOIN_SPIN_NS 50000
 static struct {
     pthread_mutex_t busy;            /* held by the call that uses the helpers */
     pthread_mutex_t m;
     pthread_cond_t go, done;
     int started;                     /* helper threads alive */
-    int wanted, active;              /* helpers asked to join this call, still working on it */
+    int wanted;                      /* helpers asked to join this call */
+    atomic_int active;               /* helpers working on it (changed under m) */
+    int open;                        /* the call still takes helpers */
     long generation;                 /* bumped per call */
     pool *job;
 } team;
 static pthread_once_t team_once = PTHREAD_ONCE_INIT;
+
+static inline void spin_pause(void)
+{
+#if defined(__SSE2__)
+    _mm_pause();
+#endif
+}
 
 static void team_reset(void)
 {
@@ -992,13 +1029,15 @@ static void team_reset(void)
     pthread_mutex_init(&team.m, NULL);
     pthread_cond_init(&team.go, NULL);
     pthread_cond_init(&team.done, NULL);
-    team.started = team.wanted = team.active = 0;
+    team.started = team.wanted = team.open = 0;
+    atomic_init(&team.active, 0);
     team.generation = 0;
     team.job = NULL;
 }
 
 static void team_init(void)
 {
+    pthread_key_create(&kept_key, free);
     team_reset();
     pthread_atfork(NULL, NULL, team_reset);
 }
@@ -1012,12 +1051,13 @@ static void *helper(void *arg)
         while (team.generation == seen)
             pthread_cond_wait(&team.go, &team.m);
         seen = team.generation;
-        if (id < team.wanted) {
+        if (id < team.wanted && team.open) {
             pool *job = team.job;
+            team.active++;
             pthread_mutex_unlock(&team.m);
             work(job);
             pthread_mutex_lock(&team.m);
-            if (--team.active == 0)
+            if (--team.active == 0 && !team.open)
                 pthread_cond_signal(&team.done);
         }
     }
@@ -1051,12 +1091,23 @@ int deltarule_recurrent(const problem *P, int threads)
         if (fail)
             break;
     }
-    team.wanted = team.active = threads - 1 < team.started ? threads - 1 : team.started;
+    team.wanted = threads - 1 < team.started ? threads - 1 : team.started;
+    team.open = 1;
     team.job = &W;
     team.generation++;
     pthread_cond_broadcast(&team.go);
     pthread_mutex_unlock(&team.m);
     work(&W);
+    pthread_mutex_lock(&team.m);
+    team.open = 0;                   /* every task is taken: a helper still on its way stays out */
+    pthread_mutex_unlock(&team.m);
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    do
+        for (int i = 0; i < 64 && atomic_load(&team.active) > 0; i++)
+            spin_pause();
+    while (atomic_load(&team.active) > 0 && clock_gettime(CLOCK_MONOTONIC, &t) == 0
+           && (t.tv_sec - t0.tv_sec) * 1000000000L + (t.tv_nsec - t0.tv_nsec) < JOIN_SPIN_NS);
     pthread_mutex_lock(&team.m);
     while (team.active > 0)
         pthread_cond_wait(&team.done, &team.m);
