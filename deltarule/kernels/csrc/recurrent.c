@@ -401,11 +401,8 @@ static inline float dot(const float *x, const float *y, int64_t n)
     return sum;
 }
 
-/* The sweeps read a tile whose row i starts at element i*ld of S (type): the tile buffer
- * (float32, ld = TILE, aligned), or the state where it lies (decode). */
-
-/* acc = S^T e, two partial sums per vector */
-INLINE void read_tile(const void *S, int64_t ld, int type, const float *e, int64_t K, vf acc[NV])
+/* acc = S^T e over a tile, two partial sums per vector */
+static inline void read_tile(const vf *S, const float *e, int64_t K, vf acc[NV])
 {
     vf a1[NV];
     UNROLL for (int l = 0; l < NV; l++) acc[l] = a1[l] = splat(0);
@@ -413,20 +410,19 @@ INLINE void read_tile(const void *S, int64_t ld, int type, const float *e, int64
     for (; i + 1 < K; i += 2) {
         const vf x = splat(e[i]), y = splat(e[i + 1]);
         UNROLL for (int l = 0; l < NV; l++) {
-            acc[l] += x * get(S, i * ld + l * VEC, type);
-            a1[l] += y * get(S, (i + 1) * ld + l * VEC, type);
+            acc[l] += x * S[NV * i + l];
+            a1[l] += y * S[NV * (i + 1) + l];
         }
     }
     if (i < K) {
         const vf x = splat(e[i]);
-        UNROLL for (int l = 0; l < NV; l++) acc[l] += x * get(S, i * ld + l * VEC, type);
+        UNROLL for (int l = 0; l < NV; l++) acc[l] += x * S[NV * i + l];
     }
     UNROLL for (int l = 0; l < NV; l++) acc[l] += a1[l];
 }
 
-/* r = S^T e and p = S^T f in one sweep, SUMS partial sums per vector */
-INLINE void read_tile2(const void *S, int64_t ld, int type, const float *e, const float *f, int64_t K,
-                       vf r[NV], vf p[NV])
+/* r = S^T e and p = S^T f in one sweep over a tile, SUMS partial sums per vector */
+static inline void read_tile2(const vf *S, const float *e, const float *f, int64_t K, vf r[NV], vf p[NV])
 {
     vf rs[SUMS][NV], ps[SUMS][NV];
     UNROLL for (int m = 0; m < SUMS; m++) UNROLL for (int l = 0; l < NV; l++) rs[m][l] = ps[m][l] = splat(0);
@@ -435,7 +431,7 @@ INLINE void read_tile2(const void *S, int64_t ld, int type, const float *e, cons
         UNROLL for (int m = 0; m < SUMS; m++) {
             const vf a = splat(e[i + m]), x = splat(f[i + m]);
             UNROLL for (int l = 0; l < NV; l++) {
-                const vf s = get(S, (i + m) * ld + l * VEC, type);
+                const vf s = S[NV * (i + m) + l];
                 rs[m][l] += a * s;
                 ps[m][l] += x * s;
             }
@@ -443,7 +439,7 @@ INLINE void read_tile2(const void *S, int64_t ld, int type, const float *e, cons
     for (; i < K; i++) {
         const vf a = splat(e[i]), x = splat(f[i]);
         UNROLL for (int l = 0; l < NV; l++) {
-            const vf s = get(S, i * ld + l * VEC, type);
+            const vf s = S[NV * i + l];
             rs[0][l] += a * s;
             ps[0][l] += x * s;
         }
@@ -606,9 +602,9 @@ static void load_vw(const problem *P, const scratch *W, int64_t bt0, int64_t h, 
 }
 
 /* Block token s's outputs o_g = scale (S'^T q_g + (q_g . k) u) for the tile at j0; p0 is
- * the first query's read, further GQA queries read the old tile (rows S + i*ld, type) again. */
-INLINE void write_outputs(const problem *P, const scratch *W, const void *S, int64_t ld, int type, int64_t n,
-                          int64_t bt, int64_t s, int64_t h, int64_t j0, const vf p0[NV], const vf u[NV])
+ * the first query's read, further GQA queries read the old tile again. */
+static void write_outputs(const problem *P, const scratch *W, const vf *S, int64_t n, int64_t bt, int64_t s,
+                          int64_t h, int64_t j0, const vf p0[NV], const vf u[NV])
 {
     const int64_t K = P->K, V = P->V, G = P->G, th = bt * P->Hv + h;
     const int64_t tw = V - j0 < TILE ? V - j0 : TILE;
@@ -620,7 +616,7 @@ INLINE void write_outputs(const problem *P, const scratch *W, const void *S, int
         if (g == 0)
             UNROLL for (int l = 0; l < NV; l++) p[l] = p0[l];
         else
-            read_tile(S, ld, type, W->eq + (s * G + g) * K, K, p);
+            read_tile(S, W->eq + (s * G + g) * K, K, p);
         const vf kq = splat(W->kq[s * G + g]);
         UNROLL for (int l = 0; l < NV; l++) res[l] = sc * (p[l] + kq * u[l]);
         narrow(P->o, (th * G + g) * V + j0, (const float *)res, tw, P->v_type);
@@ -689,26 +685,28 @@ static void store_tile(const problem *P, const float *tile, const float *c, int6
         }
 }
 
-/* One tile runs the block's len tokens from token index bt0 (in [B*T]), token t0 of sequence n. */
-static void run_block(const problem *P, const scratch *W, vf *S, int64_t n, int64_t bt0, int64_t t0, int64_t h,
+/* One tile runs the block's len tokens from token index bt0 (in [B*T]), token t0 of sequence n.
+ * Out of line: inlined into work, GCC 12 kept three of u's vectors on the stack in
+ * update_read's loop (reloaded every row). */
+__attribute__((noinline)) static void run_block(const problem *P, const scratch *W, vf *S, int64_t n, int64_t bt0, int64_t t0, int64_t h,
                       int64_t j0, int64_t len)
 {
     const int64_t K = P->K, G = P->G;
     const int64_t *rows = P->token_rows ? P->token_rows + n * P->token_cols + t0 : NULL;
     load_vw(P, W, bt0, h, j0, len);
     vf r[NV], p0[NV];                /* token s's reads: S'^T (b k) and S'^T q_0 */
-    read_tile2(S, TILE, F32, W->eb, W->eq, K, r, p0);
+    read_tile2(S, W->eb, W->eq, K, r, p0);
     for (int64_t s = 0; s < len; s++) {
         vf u[NV];
         UNROLL for (int l = 0; l < NV; l++) u[l] = ((const vf *)(W->vw + s * TILE))[l] - r[l];
-        write_outputs(P, W, S, TILE, F32, n, bt0 + s, s, h, j0, p0, u);
+        write_outputs(P, W, S, n, bt0 + s, s, h, j0, p0, u);
         const float *kc = W->kc + s * K, *cd = W->cd + s * K;
         if (s + 1 < len && W->lazy[s])
             update_read(S, kc, u, W->eb + (s + 1) * K, W->eq + (s + 1) * G * K, K, r, p0);
         else {
             update(S, kc, cd, W->lazy[s], u, K);
             if (s + 1 < len)
-                read_tile2(S, TILE, F32, W->eb + (s + 1) * K, W->eq + (s + 1) * G * K, K, r, p0);
+                read_tile2(S, W->eb + (s + 1) * K, W->eq + (s + 1) * G * K, K, r, p0);
         }
         if (rows && rows[s] >= 0)    /* S = diag(c) S-hat, c = c*d after a lazy token, else 1 */
             store_tile(P, (const float *)S, W->lazy[s] ? cd : NULL, rows[s], h, j0, STREAM_TOKEN_ROWS);
