@@ -1,9 +1,12 @@
 """Builds the cpu backend's native kernel (deltarule/kernels/csrc/recurrent.c).
 
 Plain C with POSIX threads, compiled for the machine that installs it (-march=native:
-the kernel's 16-float vectors become AVX-512 where the CPU has it). The
-extension is optional: without a C compiler the install still succeeds and
-`deltarule.backend_info()` reports the cpu backend as unavailable.
+16-float AVX-512 vectors where the CPU has AVX-512, else 8-float AVX2 ones;
+`CFLAGS=-DDELTARULE_VEC=16 pip install --no-build-isolation -e .` builds the
+16-float configuration anywhere, for testing it). The extension is optional:
+without a C compiler the install still succeeds and `deltarule.backend_info()`
+reports the cpu backend as unavailable (a failed build of an edited kernel
+keeps the previous .so: compile it with gcc -c first).
 """
 
 from setuptools import Extension, setup

@@ -368,3 +368,19 @@ def test_16_bit_stores_round_to_nearest_even_at_the_boundaries(dtype, T, V):
     assert torch.equal(torch.isnan(S32), nan) and torch.equal(_bits(S32)[~nan], _bits(S0)[~nan])
     assert torch.isinf(S16.float()).any()                    # the boundaries were reached
     assert_rounded_like_torch(S16, S32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + HALF)
+def test_empty_spans_store_their_initial_state(dtype):
+    """A sequence without tokens but with a final row stores its state unchanged (the read row,
+    rounded to S's dtype, or zeros without one); padding (no final row) touches nothing."""
+    Hv, K, V = 2, 64, 128
+    x = _operands(3, 2, 2, 2, Hv, K, V, decay="g", update="beta", seed=7)
+    S0 = torch.randn(2, Hv, K, V)
+    S = torch.full((4, Hv, K, V), 7.0, dtype=dtype)
+    o = torch.zeros(3, 2, Hv, 1, V)
+    _call(x, S0, S, [(0, 1, 1, 1, 0), (1, 0, 0, -1, 2), (2, 0, 0, -1, -1)], o=o)
+    assert_rounded_like_torch(S[0], S0[1])
+    assert torch.count_nonzero(S[2]) == 0
+    assert torch.equal(S[[1, 3]], torch.full((2, Hv, K, V), 7.0, dtype=dtype))
+    assert torch.count_nonzero(o) == 0

@@ -65,6 +65,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
@@ -400,11 +401,8 @@ static inline float dot(const float *x, const float *y, int64_t n)
     return sum;
 }
 
-/* The sweeps read a tile whose row i starts at element i*ld of S (type): the tile buffer
- * (float32, ld = TILE, aligned), or the state where it lies (decode). */
-
-/* acc = S^T e, two partial sums per vector */
-INLINE void read_tile(const void *S, int64_t ld, int type, const float *e, int64_t K, vf acc[NV])
+/* acc = S^T e over a tile, two partial sums per vector */
+static inline void read_tile(const vf *S, const float *e, int64_t K, vf acc[NV])
 {
     vf a1[NV];
     UNROLL for (int l = 0; l < NV; l++) acc[l] = a1[l] = splat(0);
@@ -412,20 +410,19 @@ INLINE void read_tile(const void *S, int64_t ld, int type, const float *e, int64
     for (; i + 1 < K; i += 2) {
         const vf x = splat(e[i]), y = splat(e[i + 1]);
         UNROLL for (int l = 0; l < NV; l++) {
-            acc[l] += x * get(S, i * ld + l * VEC, type);
-            a1[l] += y * get(S, (i + 1) * ld + l * VEC, type);
+            acc[l] += x * S[NV * i + l];
+            a1[l] += y * S[NV * (i + 1) + l];
         }
     }
     if (i < K) {
         const vf x = splat(e[i]);
-        UNROLL for (int l = 0; l < NV; l++) acc[l] += x * get(S, i * ld + l * VEC, type);
+        UNROLL for (int l = 0; l < NV; l++) acc[l] += x * S[NV * i + l];
     }
     UNROLL for (int l = 0; l < NV; l++) acc[l] += a1[l];
 }
 
-/* r = S^T e and p = S^T f in one sweep, SUMS partial sums per vector */
-INLINE void read_tile2(const void *S, int64_t ld, int type, const float *e, const float *f, int64_t K,
-                       vf r[NV], vf p[NV])
+/* r = S^T e and p = S^T f in one sweep over a tile, SUMS partial sums per vector */
+static inline void read_tile2(const vf *S, const float *e, const float *f, int64_t K, vf r[NV], vf p[NV])
 {
     vf rs[SUMS][NV], ps[SUMS][NV];
     UNROLL for (int m = 0; m < SUMS; m++) UNROLL for (int l = 0; l < NV; l++) rs[m][l] = ps[m][l] = splat(0);
@@ -434,7 +431,7 @@ INLINE void read_tile2(const void *S, int64_t ld, int type, const float *e, cons
         UNROLL for (int m = 0; m < SUMS; m++) {
             const vf a = splat(e[i + m]), x = splat(f[i + m]);
             UNROLL for (int l = 0; l < NV; l++) {
-                const vf s = get(S, (i + m) * ld + l * VEC, type);
+                const vf s = S[NV * (i + m) + l];
                 rs[m][l] += a * s;
                 ps[m][l] += x * s;
             }
@@ -442,7 +439,7 @@ INLINE void read_tile2(const void *S, int64_t ld, int type, const float *e, cons
     for (; i < K; i++) {
         const vf a = splat(e[i]), x = splat(f[i]);
         UNROLL for (int l = 0; l < NV; l++) {
-            const vf s = get(S, i * ld + l * VEC, type);
+            const vf s = S[NV * i + l];
             rs[0][l] += a * s;
             ps[0][l] += x * s;
         }
@@ -605,9 +602,9 @@ static void load_vw(const problem *P, const scratch *W, int64_t bt0, int64_t h, 
 }
 
 /* Block token s's outputs o_g = scale (S'^T q_g + (q_g . k) u) for the tile at j0; p0 is
- * the first query's read, further GQA queries read the old tile (rows S + i*ld, type) again. */
-INLINE void write_outputs(const problem *P, const scratch *W, const void *S, int64_t ld, int type, int64_t n,
-                          int64_t bt, int64_t s, int64_t h, int64_t j0, const vf p0[NV], const vf u[NV])
+ * the first query's read, further GQA queries read the old tile again. */
+static void write_outputs(const problem *P, const scratch *W, const vf *S, int64_t n, int64_t bt, int64_t s,
+                          int64_t h, int64_t j0, const vf p0[NV], const vf u[NV])
 {
     const int64_t K = P->K, V = P->V, G = P->G, th = bt * P->Hv + h;
     const int64_t tw = V - j0 < TILE ? V - j0 : TILE;
@@ -619,7 +616,7 @@ INLINE void write_outputs(const problem *P, const scratch *W, const void *S, int
         if (g == 0)
             UNROLL for (int l = 0; l < NV; l++) p[l] = p0[l];
         else
-            read_tile(S, ld, type, W->eq + (s * G + g) * K, K, p);
+            read_tile(S, W->eq + (s * G + g) * K, K, p);
         const vf kq = splat(W->kq[s * G + g]);
         UNROLL for (int l = 0; l < NV; l++) res[l] = sc * (p[l] + kq * u[l]);
         narrow(P->o, (th * G + g) * V + j0, (const float *)res, tw, P->v_type);
@@ -688,26 +685,28 @@ static void store_tile(const problem *P, const float *tile, const float *c, int6
         }
 }
 
-/* One tile runs the block's len tokens from token index bt0 (in [B*T]), token t0 of sequence n. */
-static void run_block(const problem *P, const scratch *W, vf *S, int64_t n, int64_t bt0, int64_t t0, int64_t h,
+/* One tile runs the block's len tokens from token index bt0 (in [B*T]), token t0 of sequence n.
+ * Out of line: inlined into work, GCC 12 kept three of u's vectors on the stack in
+ * update_read's loop (reloaded every row). */
+__attribute__((noinline)) static void run_block(const problem *P, const scratch *W, vf *S, int64_t n, int64_t bt0, int64_t t0, int64_t h,
                       int64_t j0, int64_t len)
 {
     const int64_t K = P->K, G = P->G;
     const int64_t *rows = P->token_rows ? P->token_rows + n * P->token_cols + t0 : NULL;
     load_vw(P, W, bt0, h, j0, len);
     vf r[NV], p0[NV];                /* token s's reads: S'^T (b k) and S'^T q_0 */
-    read_tile2(S, TILE, F32, W->eb, W->eq, K, r, p0);
+    read_tile2(S, W->eb, W->eq, K, r, p0);
     for (int64_t s = 0; s < len; s++) {
         vf u[NV];
         UNROLL for (int l = 0; l < NV; l++) u[l] = ((const vf *)(W->vw + s * TILE))[l] - r[l];
-        write_outputs(P, W, S, TILE, F32, n, bt0 + s, s, h, j0, p0, u);
+        write_outputs(P, W, S, n, bt0 + s, s, h, j0, p0, u);
         const float *kc = W->kc + s * K, *cd = W->cd + s * K;
         if (s + 1 < len && W->lazy[s])
             update_read(S, kc, u, W->eb + (s + 1) * K, W->eq + (s + 1) * G * K, K, r, p0);
         else {
             update(S, kc, cd, W->lazy[s], u, K);
             if (s + 1 < len)
-                read_tile2(S, TILE, F32, W->eb + (s + 1) * K, W->eq + (s + 1) * G * K, K, r, p0);
+                read_tile2(S, W->eb + (s + 1) * K, W->eq + (s + 1) * G * K, K, r, p0);
         }
         if (rows && rows[s] >= 0)    /* S = diag(c) S-hat, c = c*d after a lazy token, else 1 */
             store_tile(P, (const float *)S, W->lazy[s] ? cd : NULL, rows[s], h, j0, STREAM_TOKEN_ROWS);
@@ -886,6 +885,8 @@ static void run_task(const problem *P, const scratch *W, int64_t n, int64_t h, c
     const int64_t in = P->spans[5 * n + 3], out = P->spans[5 * n + 4];
     const int64_t tiles = (V + TILE - 1) / TILE;
 
+    if (start == end && out < 0)     /* padding: no token, no state to write */
+        return;
     int stores = 0;                  /* per-token states to store */
     for (int64_t t = 0; P->token_rows && t < end - start; t++)
         stores |= P->token_rows[n * P->token_cols + t] >= 0;
@@ -931,20 +932,41 @@ typedef struct {
     atomic_int failed;
 } pool;
 
+/* A thread's scratch memory, kept for its next call (freed when the thread exits): a
+ * fresh allocation of this size was page-faulted in again on every call (helper
+ * threads' malloc arenas hand it back), which cost a B = 1 decode ~40 us. */
+static pthread_key_t kept_key;
+static __thread struct {
+    void *mem;
+    size_t bytes;
+} kept;
+
+static void *scratch_memory(size_t bytes)
+{
+    if (kept.bytes < bytes) {
+        free(kept.mem);
+        kept.mem = aligned_alloc(64, bytes);
+        kept.bytes = kept.mem ? bytes : 0;
+        pthread_setspecific(kept_key, kept.mem);
+    }
+    return kept.mem;
+}
+
 static void *work(void *arg)
 {
     pool *W = arg;
     const problem *P = W->P;
     const int64_t K = P->K, G = P->G, tiles = (P->V + TILE - 1) / TILE;
-    scratch s = {.tiles = aligned_alloc(64, sizeof(float) * tiles * K * TILE)};  /* a multiple of 64 bytes */
-    const int64_t acc = ((G + 2) * P->V + 15) / 16 * 16, floats = acc + TB * (TILE + (4 + 2 * G) * K + G) + K;
-    float *f = aligned_alloc(64, sizeof(float) * ((floats + 15) / 16 * 16));
-    int *lazy = malloc(sizeof(int) * TB);
-    if (!s.tiles || !f || !lazy)
+    const int64_t acc = ((G + 2) * P->V + 15) / 16 * 16;
+    const int64_t floats = (acc + TB * (TILE + (4 + 2 * G) * K + G) + K + 15) / 16 * 16;
+    const size_t tile_bytes = sizeof(float) * tiles * K * TILE;     /* a multiple of 64 */
+    char *mem = scratch_memory(tile_bytes + sizeof(float) * floats + sizeof(int) * TB);
+    if (!mem)
         atomic_store(&W->failed, 1);
     else {
-        s.acc = f;                   /* first: acc and vw are read as aligned vectors */
-        s.vw = s.acc + acc;
+        scratch s = {.tiles = (float *)mem, .acc = (float *)(mem + tile_bytes)};
+        float *f = s.acc;            /* acc and vw first: they are read as aligned vectors */
+        s.vw = f + acc;
         s.kb = s.vw + TB * TILE;
         s.qb = s.kb + TB * K;
         s.cd = s.qb + TB * G * K;
@@ -953,7 +975,7 @@ static void *work(void *arg)
         s.eq = s.kc + TB * K;
         s.kq = s.eq + TB * G * K;
         s.c = s.kq + TB * G;
-        s.lazy = lazy;
+        s.lazy = (int *)(f + floats);
         /* each task after the first is claimed while the one before runs, which prefetches its state */
         const int64_t size = size_of(P->s0_type), *st = P->s0_stride;
         for (int64_t task = atomic_fetch_add(&W->next, 1), then; task < W->tasks; task = then) {
@@ -964,27 +986,40 @@ static void *work(void *arg)
             run_task(P, &s, task / P->Hv, task % P->Hv, next);
         }
     }
-    free(s.tiles);
-    free(f);
-    free(lazy);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);   /* orders the streaming stores before the join */
     return NULL;
 }
 
-/* The helper threads, kept between calls: creating a thread costs ~30-40 us here,
- * a wake-up on the condition variable much less. Idle helpers block (no spinning
- * beside torch's threads). One call at a time uses them; a concurrent call runs
- * on its own thread alone. A forked child starts with none. */
+/* The helper threads, kept between calls (creating a thread costs tens of microseconds).
+ * Idle helpers block (no spinning beside torch's threads). On this VM a wake-up
+ * is slow: the signal costs the caller ~10 us and the helper arrives ~15-30 us
+ * later (an idle vCPU is woken), a large part of a B = 1 decode (~70 us of
+ * tasks). So the call never waits for a helper to arrive: once the calling
+ * thread finds no task left it closes the call, a helper that arrives later
+ * stays out, and the caller waits only for those that joined, spinning up to
+ * JOIN_SPIN_NS for their last task before it blocks (being woken would cost
+ * it another ~15 us). One call at a time uses them; a concurrent call runs on
+ * its own thread alone. A forked child starts with none. */
+#define JOIN_SPIN_NS 50000
 static struct {
     pthread_mutex_t busy;            /* held by the call that uses the helpers */
     pthread_mutex_t m;
     pthread_cond_t go, done;
     int started;                     /* helper threads alive */
-    int wanted, active;              /* helpers asked to join this call, still working on it */
+    int wanted;                      /* helpers asked to join this call */
+    atomic_int active;               /* helpers working on it (changed under m) */
+    int open;                        /* the call still takes helpers */
     long generation;                 /* bumped per call */
     pool *job;
 } team;
 static pthread_once_t team_once = PTHREAD_ONCE_INIT;
+
+static inline void spin_pause(void)
+{
+#if defined(__SSE2__)
+    _mm_pause();
+#endif
+}
 
 static void team_reset(void)
 {
@@ -992,13 +1027,15 @@ static void team_reset(void)
     pthread_mutex_init(&team.m, NULL);
     pthread_cond_init(&team.go, NULL);
     pthread_cond_init(&team.done, NULL);
-    team.started = team.wanted = team.active = 0;
+    team.started = team.wanted = team.open = 0;
+    atomic_init(&team.active, 0);
     team.generation = 0;
     team.job = NULL;
 }
 
 static void team_init(void)
 {
+    pthread_key_create(&kept_key, free);
     team_reset();
     pthread_atfork(NULL, NULL, team_reset);
 }
@@ -1012,12 +1049,13 @@ static void *helper(void *arg)
         while (team.generation == seen)
             pthread_cond_wait(&team.go, &team.m);
         seen = team.generation;
-        if (id < team.wanted) {
+        if (id < team.wanted && team.open) {
             pool *job = team.job;
+            team.active++;
             pthread_mutex_unlock(&team.m);
             work(job);
             pthread_mutex_lock(&team.m);
-            if (--team.active == 0)
+            if (--team.active == 0 && !team.open)
                 pthread_cond_signal(&team.done);
         }
     }
@@ -1051,12 +1089,23 @@ int deltarule_recurrent(const problem *P, int threads)
         if (fail)
             break;
     }
-    team.wanted = team.active = threads - 1 < team.started ? threads - 1 : team.started;
+    team.wanted = threads - 1 < team.started ? threads - 1 : team.started;
+    team.open = 1;
     team.job = &W;
     team.generation++;
     pthread_cond_broadcast(&team.go);
     pthread_mutex_unlock(&team.m);
     work(&W);
+    pthread_mutex_lock(&team.m);
+    team.open = 0;                   /* every task is taken: a helper still on its way stays out */
+    pthread_mutex_unlock(&team.m);
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    do
+        for (int i = 0; i < 64 && atomic_load(&team.active) > 0; i++)
+            spin_pause();
+    while (atomic_load(&team.active) > 0 && clock_gettime(CLOCK_MONOTONIC, &t) == 0
+           && (t.tv_sec - t0.tv_sec) * 1000000000L + (t.tv_nsec - t0.tv_nsec) < JOIN_SPIN_NS);
     pthread_mutex_lock(&team.m);
     while (team.active > 0)
         pthread_cond_wait(&team.done, &team.m);
