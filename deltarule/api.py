@@ -202,15 +202,10 @@ def validate(
     if rule not in RULES:
         raise ContractError("rule", " | ".join(RULES), repr(rule))
     _check_presence(rule, g=g, gk=gk, beta=beta, erase=erase, write=write)
-    gate_shapes = {
-        "g": (B, T, Hv), "gk": (B, T, Hv, K), "beta": (B, T, Hv),
-        "erase": (B, T, Hv, K), "write": (B, T, Hv, V),
-    }
-    gates = {"g": g, "gk": gk, "beta": beta, "erase": erase, "write": write}
-    for name, x in gates.items():
+    for name, x, shape in (("g", g, (B, T, Hv)), ("gk", gk, (B, T, Hv, K)), ("beta", beta, (B, T, Hv)),
+                           ("erase", erase, (B, T, Hv, K)), ("write", write, (B, T, Hv, V))):
         if x is not None:
-            _check_tensor(name, x, shape=gate_shapes[name], dtypes=INPUT_DTYPES,
-                          dtype_names=_DTYPE_NAMES, device=device)
+            _check_tensor(name, x, shape=shape, dtypes=INPUT_DTYPES, dtype_names=_DTYPE_NAMES, device=device)
 
     if scale is None:
         scale = K ** -0.5
@@ -273,6 +268,9 @@ def validate(
         scale=float(scale), initial_state=initial_state, state_layout=state_layout,
         plan=plan, qk_l2norm=qk_l2norm, l2norm_eps=float(l2norm_eps), A_log=A_log, dt_bias=dt_bias,
         beta_sigmoid=beta_sigmoid, chunk_size=int(chunk_size),
+        B=B, T=T, Hq=Hq, Hk=Hk, Hv=Hv, K=K, V=V, G=max(Hq // Hv, 1), Ho=max(Hq, Hv),
+        state_dtype=initial_state.dtype if isinstance(initial_state, torch.Tensor) else torch.float32,
+        device=device,
     )
 
 
@@ -290,7 +288,7 @@ def _finite_real(x) -> bool:
 def _check_tensor(name, x, *, rank=None, shape=None, dtypes, dtype_names, device=None):
     if not isinstance(x, torch.Tensor):
         raise ContractError(name, "a torch.Tensor", type(x).__name__)
-    if shape is not None and tuple(x.shape) != tuple(shape):
+    if shape is not None and x.shape != shape:
         raise ContractError(name, f"shape {list(shape)}", list(x.shape))
     if rank is not None and x.dim() != rank:
         raise ContractError(name, f"a rank-{rank} tensor", f"shape {list(x.shape)}")

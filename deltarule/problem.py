@@ -64,34 +64,18 @@ class Problem:
     dt_bias: torch.Tensor | None
     beta_sigmoid: bool
     chunk_size: int
-
-    @property
-    def B(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def T(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def Hq(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def Hk(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def Hv(self) -> int:
-        return self.v.shape[2]
-
-    @property
-    def K(self) -> int:
-        return self.q.shape[3]
-
-    @property
-    def V(self) -> int:
-        return self.v.shape[3]
+    # the sizes, read once by the validation (a decode step's backends read them dozens of times)
+    B: int
+    T: int
+    Hq: int
+    Hk: int
+    Hv: int
+    K: int
+    V: int
+    G: int          # query heads per state head (GQA); 1 for the GVA form
+    Ho: int         # output heads: Hq for the GQA form (Hq > Hv), Hv otherwise
+    state_dtype: torch.dtype   # the state's storage dtype: initial_state's, float32 without one
+    device: torch.device
 
     @property
     def spans(self) -> tuple[Span, ...]:
@@ -112,22 +96,6 @@ class Problem:
         return self.plan.varlen
 
     @property
-    def state_dtype(self) -> torch.dtype:
-        """The state's storage dtype: initial_state's, float32 without one."""
-        init = self.initial_state
-        return init.dtype if isinstance(init, torch.Tensor) else torch.float32
-
-    @property
-    def Ho(self) -> int:
-        """Output heads: Hq for the GQA form (Hq > Hv), Hv otherwise."""
-        return max(self.Hq, self.Hv)
-
-    @property
-    def G(self) -> int:
-        """Query heads per state head (GQA); 1 for the GVA form."""
-        return max(self.Hq // self.Hv, 1)
-
-    @property
     def decays(self) -> bool:
         return self.rule in GATED_RULES
 
@@ -138,10 +106,6 @@ class Problem:
     @property
     def per_key_decay(self) -> bool:
         return self.gk is not None
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
 
     @property
     def max_len(self) -> int:

@@ -1,18 +1,20 @@
 """The `cpu` backend: the native V-tiled recurrence (`kernels/csrc/recurrent.c`).
 
-One kernel for every call shape: prefill, decode, varlen, a slab in place.
-Each (sequence, state head, 64-column value tile) task keeps its state tile in
-the L1 cache for the whole sequence, so the recurrence costs four FLOPs per
-state element per token with no chunk-size trade-off, and scalar, per-key and
-GDN-2 gates cost the same (docs/performance.md has the measurements against
-the chunked torch form that it replaced). Operands stay in the API's layout:
-no packing of varlen sequences, no gather or scatter of slab rows, no
-transpose of a "vk" state. CPU tensors only; needs the compiled kernel that
-`pip install` builds.
+One kernel for every call shape: prefill, decode, varlen, a slab in place,
+speculative plans (per-token state rows), 16-bit state storage. A prefill
+task (sequence, state head) keeps its state in value tiles that stay in the
+L1 cache for the whole sequence, so scalar, per-key and GDN-2 gates cost the
+same; decode and per-token stores run on whole state rows where they lie
+(docs/performance.md has the measurements). Operands stay in the API's
+layout: no packing of varlen sequences, no gather or scatter of slab rows, no
+transpose of a "vk" state. The backend turns the call's `BatchPlan` into the
+kernel's span, token-row and owner tables once per plan. CPU tensors only;
+needs the compiled kernel that `pip install` builds.
 """
 
 from __future__ import annotations
 
+import glob
 import math
 import threading
 import weakref
@@ -26,7 +28,7 @@ from . import _prepare
 from ._features import EVERYTHING
 
 NAME = "cpu"
-DESCRIPTION = "native V-tiled recurrence (C, OpenMP, AVX-512 where present)"
+DESCRIPTION = "native V-tiled recurrence (C, POSIX threads, AVX2 / AVX-512 vectors)"
 SUPPORTS = dict(EVERYTHING, devices="CPU tensors")
 # Outputs of at least this many bytes come from `_POOL` (below): NumPy memory on
 # transparent huge pages, recycled once the caller drops the tensor, so they
@@ -40,9 +42,34 @@ SUPPORTS = dict(EVERYTHING, devices="CPU tensors")
 POOL_MIN_BYTES = 1 << 25
 # The pool keeps at most this many bytes of dropped outputs for reuse.
 POOL_BYTES = 1 << 30
-# Each extra thread is created per call (tens of microseconds), so a call gets
-# one thread per this many state-element steps (about a millisecond of work).
-ELEMENT_STEPS_PER_THREAD = 1 << 21
+# A call gets one thread per this many state-element steps. The helper threads are
+# kept between calls, but waking one costs the caller ~10 us and it arrives 15-35 us
+# later: between torch work on both cores a second thread lost 11-13 % at B = 1 decode
+# (2^19 steps), broke even at B = 2 and won 17-22 % at B = 4 (docs/performance.md).
+ELEMENT_STEPS_PER_THREAD = 1 << 20
+
+
+def _last_level_cache_bytes() -> int:
+    """The largest CPU cache in bytes (Linux sysfs), 32 MiB where it cannot be read."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=32 << 20)
+
+
+# A fresh final state is written past the caches (streaming stores) only when the call's
+# states, read and written, outgrow the last-level cache: then they could not stay there
+# anyway and streaming skips reading the destination in first. Smaller ones stay cached for
+# whoever reads them next. On the AVX2 CI machine (32 MB L3), decode B = 1 / 2 / 4 / 8
+# (16 heads, 2-16 MB of states) ran 1.3-1.4x faster with plain stores, B = 64 (128 MB)
+# 1.2x faster streaming.
+STREAM_MIN_BYTES = _last_level_cache_bytes()
 
 
 def available() -> bool:
@@ -75,11 +102,11 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
             S = S.transpose(-1, -2)
     steps = p.plan.steps * p.Hv * p.K * p.V
     threads = max(1, min(torch.get_num_threads(), steps // ELEMENT_STEPS_PER_THREAD))
-    # a fresh final state goes past the caches (decode B = 8 and 64: 1.5x faster than
-    # plain stores, B = 1 no slower); a slab row is read back by the next step
+    # a slab row is read back by the next step: only a fresh state that outgrows the cache streams
+    state_bytes = 2 * p.N * p.Hv * p.K * p.V * p.state_dtype.itemsize
     cpu_recurrent.recurrent(q, k, v, g, gk, b, w, S0, S, o, spans=spans, token_rows=token_rows, owner=owner,
                             scale=p.scale, l2norm_eps=p.l2norm_eps if p.qk_l2norm else None,
-                            stream_state=not p.in_place, threads=threads)
+                            stream_state=not p.in_place and state_bytes > STREAM_MIN_BYTES, threads=threads)
 
     o = o.view(p.B, p.T, p.Ho, p.V)
     if p.in_place:
@@ -90,19 +117,24 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
 def _gates(p: Problem):
     """(g, gk, b, w) for the kernel, contiguous. The kernel takes exp(gk + g) itself and
     reads per-channel gates in their own dtype; scalar gates, the raw-gate arm and
-    `beta_sigmoid` are applied here in float32 (`_prepare`)."""
+    `beta_sigmoid` are applied here in float32 (`_prepare`). Tensors already in the
+    form the kernel reads are passed as they are (a decode step makes no copies)."""
     f32 = torch.float32
     if p.A_log is None:
-        g = None if p.g is None else p.g.to(f32)
+        g = p.g if p.g is None or p.g.dtype == f32 else p.g.float()
         gk = p.gk
     else:
         g, gk = _prepare.log_decays(p)
-    if p.retrieves and p.beta is None and not p.beta_sigmoid:
+    if p.beta is not None and not p.beta_sigmoid:
+        b = w = p.beta if p.beta.dtype == f32 else p.beta.float()    # one scalar gate: erase = write
+    elif p.retrieves and p.beta is None and not p.beta_sigmoid:
         b, w = p.erase, p.write
     else:
         b, w = _prepare.update_gates(p)
-    same = w is b                                   # scalar beta: one gate
-    g, gk, b = (None if x is None else x.contiguous() for x in (g, gk, b))
+    same = w is b
+    g = None if g is None else g.contiguous()
+    gk = None if gk is None else gk.contiguous()
+    b = None if b is None else b.contiguous()
     return g, gk, b, b if same else (None if w is None else w.contiguous())
 
 

@@ -2,10 +2,11 @@
 
 Each selected case is built once by `deltarule.cases.make_inputs`; deltarule
 (`linear_attention(**inputs, backend=...)`) and every peer that can express
-the case run on those same inputs: one untimed warm-up, then timed repeats
-within a time budget, reporting the median. Each peer's warm-up output and
-final state are checked against deltarule's outside the timing, so a ratio
-is only printed beside a statement of whether both computed the same thing.
+the case run on those same inputs (a slab case: each from a copy of the same
+slab): untimed warm-up calls, then timed samples within a time budget
+(`timing.measure`), reporting the median. Each peer's first output and final
+state are checked against deltarule's outside the timing, so a ratio is only
+printed beside a statement of whether both computed the same thing.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="only the cases marked quick (a few minutes on 2 cores)")
     parser.add_argument("--repeat", type=_positive(int), default=5, metavar="N",
-                        help="at most N timed calls per implementation and case (default 5)")
+                        help="at most N timed samples per implementation and case (default 5; a sample "
+                             "of a short call is the mean of a batch lasting >= 2 ms)")
     parser.add_argument("--budget", type=_positive(float), default=2.0, metavar="SECONDS",
                         help="stop repeating once this much time is spent (default 2; "
                              "at least one timed call always runs)")
@@ -125,6 +127,10 @@ def run_case(case: dict, args: argparse.Namespace, absent: dict, progress: "_Pro
     the others have a one-line "reason".
     """
     inputs = make_inputs(case, args.dtype)
+    if "state_indices" in inputs:      # deltarule's timed calls update the slab: the peers start from a copy
+        peer_inputs = dict(inputs, initial_state=inputs["initial_state"].clone())
+    else:
+        peer_inputs = inputs
     progress.show(f"{case['name']}: deltarule")
     entry, reference = _time_deltarule(case, inputs, args)
     peers = {}
@@ -135,7 +141,7 @@ def run_case(case: dict, args: argparse.Namespace, absent: dict, progress: "_Pro
         elif reference is None:
             peers[peer.name] = _skipped("deltarule did not run, nothing to compare")
         else:
-            peers[peer.name] = _time_peer(peer, case, inputs, reference, entry["median_ms"], args)
+            peers[peer.name] = _time_peer(peer, case, peer_inputs, reference, entry["median_ms"], args)
     return {"case": case, "deltarule": entry, "peers": peers}
 
 
@@ -146,9 +152,10 @@ def _time_deltarule(case: dict, inputs: dict, args) -> tuple[dict, tuple | None]
     try:
         call = dict(inputs)
         if case.get("plan"):
-            call["plan"] = plan_batch(*inputs["q"].shape[:2], **{
-                n: call.pop(n) for n in ("cu_seqlens", "seq_lens", "state_indices", "num_accepted_tokens")
-                if n in call})
+            layout = {n: call.pop(n) for n in ("cu_seqlens", "seq_lens", "state_indices", "num_accepted_tokens")
+                      if n in call}
+            slots = inputs["initial_state"].shape[0] if "state_indices" in layout else None
+            call["plan"] = plan_batch(*inputs["q"].shape[:2], **layout, num_slots=slots)
         reference = None
         if "state_indices" in inputs:
             o, slab = linear_attention(**dict(inputs, initial_state=inputs["initial_state"].clone()),
