@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import threading
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,9 +29,9 @@ from .errors import ContractError
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-@dataclass(frozen=True)
-class Span:
-    """One sequence: tokens `start:end` of batch row `row`.
+class Span(NamedTuple):
+    """One sequence: tokens `start:end` of batch row `row` (a named tuple: a plan builds one
+    per sequence on every call that brings its own indices).
 
     `read` is the state row it starts from: a slab row with `state_indices`,
     else the sequence's own index into `initial_state`; `read < 0` marks a
@@ -96,18 +97,15 @@ class BatchPlan:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self):
-        derived = {
-            # number of sequences (and of returned state rows without a slab)
-            "N": len(self.spans),
-            "max_len": max((s.length for s in self.spans), default=0),
-            # token steps plus sequences (each reads and writes a state once): the work
-            # measure backends size their threads by
-            "steps": sum(s.length + 1 for s in self.spans),
-            # sequence n is batch row n, whole and live: no packing, no owner table
-            "dense": not self.varlen and all(s.live for s in self.spans),
-        }
-        for name, value in derived.items():
-            object.__setattr__(self, name, value)
+        lengths = [s.end - s.start for s in self.spans]
+        set_ = functools.partial(object.__setattr__, self)
+        set_("N", len(self.spans))                       # also the returned state's rows without a slab
+        set_("max_len", max(lengths, default=0))
+        # token steps plus sequences (each reads and writes a state once): the work measure
+        # backends size their threads by
+        set_("steps", sum(lengths) + len(lengths))
+        # sequence n is batch row n, whole and live: no packing, no owner table
+        set_("dense", not self.varlen and all(s.read >= 0 for s in self.spans))
 
     @property
     def in_place(self) -> bool:

@@ -6,7 +6,7 @@ import pytest
 
 import deltarule
 from deltarule import cli
-from deltarule.bench import select_cases
+from deltarule.bench import report, select_cases
 from deltarule.cases import bench_cases, make_inputs
 
 CASE_KEYS = {"name", "model", "kind", "quick", "seed", "B", "T", "Hq", "Hk", "Hv", "K", "V",
@@ -86,6 +86,24 @@ def test_bench_command_prints_table_and_writes_json_and_plot(tmp_path, capsys):
             else:
                 assert peer["reason"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cold_decode_cycles_through_copies_of_its_inputs(tmp_path, capsys, monkeypatch):
+    """--cold: a decode case is timed over copies of its inputs filling twice the last-level
+    cache (here a pretend 1 MiB one), for deltarule and every peer; prefill is not copied."""
+    import deltarule.bench as bench
+
+    monkeypatch.setattr(bench, "LAST_LEVEL_CACHE_BYTES", 1 << 20)
+    out_json = tmp_path / "bench.json"
+    assert cli.main(["bench", "--case", "tiny", "--repeat", "2", "--budget", "0.1", "--cold",
+                     "--json", str(out_json)]) == 0
+    assert "--cold: decode / verify calls cycle through copies" in capsys.readouterr().out
+    data = json.loads(out_json.read_text())
+    copies = {r["case"]["name"]: r["input_copies"] for r in data["results"]}
+    tiny = next(c for c in bench_cases() if c["name"] == "tiny-decode")
+    assert copies == {"tiny-prefill": 1, "tiny-decode": -(-2 * (1 << 20) // report.state_bytes(tiny))}
+    for r in data["results"]:
+        assert all(p["status"] == "skipped" or p["match"] for p in r["peers"].values())
 
 
 def test_bench_unknown_case_exits_2(capsys):

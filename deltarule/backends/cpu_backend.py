@@ -69,7 +69,8 @@ def _last_level_cache_bytes() -> int:
 # whoever reads them next. On the AVX2 CI machine (32 MB L3), decode B = 1 / 2 / 4 / 8
 # (16 heads, 2-16 MB of states) ran 1.3-1.4x faster with plain stores, B = 64 (128 MB)
 # 1.2x faster streaming.
-STREAM_MIN_BYTES = _last_level_cache_bytes()
+LAST_LEVEL_CACHE_BYTES = _last_level_cache_bytes()
+STREAM_MIN_BYTES = LAST_LEVEL_CACHE_BYTES
 
 
 def available() -> bool:
@@ -146,9 +147,9 @@ def _tables(p: Problem):
     plan, has_init = p.plan, p.initial_state is not None
 
     def build():
-        rows = [(s.row, s.start, s.end, s.read if has_init else -1, s.final) if s.live
-                else (s.row, s.start, s.start, -1, -1) for s in plan.spans]
-        spans = torch.tensor(rows, dtype=torch.int64).view(-1, 5)
+        spans = np.array([(s.row, s.start, s.end, s.read if has_init else -1, s.final) if s.live
+                          else (s.row, s.start, s.start, -1, -1) for s in plan.spans], dtype=np.int64)
+        spans = torch.from_numpy(spans.reshape(-1, 5))
         token_rows = None if plan.token_rows is None else torch.from_numpy(plan.token_rows.copy())
         owner = None if plan.dense else torch.from_numpy(plan.owner())
         return spans, token_rows, owner

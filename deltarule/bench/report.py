@@ -54,7 +54,8 @@ def table(results: list[dict], meta: dict, peers: list[str]) -> str:
         f"deltarule {meta['deltarule']} bench: torch {meta['torch']}, {meta['threads']} threads, "
         f"dtype {meta['dtype']}, backend {meta['backend']}, "
         + ", ".join(f"{n} {v}" for n, v in meta["peers"].items()),
-        f"times: median over timed repeats after one warm-up; {RATIO_NOTE}",
+        f"times: median over timed samples after 0.1 s of warm-up; {RATIO_NOTE}",
+        _cache_line(meta),
         _load_line(meta),
         _copy_line(meta),
         "",
@@ -66,6 +67,15 @@ def table(results: list[dict], meta: dict, peers: list[str]) -> str:
         *notes.lines(),
     ]
     return "\n".join(lines)
+
+
+def _cache_line(meta: dict) -> str:
+    llc = meta.get("last_level_cache_bytes", 0) / 2**20
+    if meta.get("cold"):
+        return (f"--cold: decode / verify calls cycle through copies of their inputs filling twice the "
+                f"{llc:.0f} MiB last-level cache (states read from memory)")
+    return (f"every call reads the same inputs: decode / verify states under the {llc:.0f} MiB last-level "
+            f"cache stay there (--cold reads them from memory)")
 
 
 def _load_line(meta: dict) -> str:
