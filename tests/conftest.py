@@ -8,6 +8,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import importlib.util
+import zlib
 
 import numpy as np
 import pytest
@@ -75,6 +76,18 @@ def assert_slab_updated_in_place(state, slab, before, o, state_indices):
     for n, i in enumerate(state_indices):
         if i < 0:
             assert torch.count_nonzero(o[n]) == 0, f"padding sequence {n} has an output"
+
+
+def rng_for(request) -> np.random.Generator:
+    """A generator seeded by the test id: reproducible, different per case."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only copy of a NumPy array."""
+    a = a.copy()
+    a.flags.writeable = False
+    return a
 
 
 def state_dtype(args: dict) -> torch.dtype:

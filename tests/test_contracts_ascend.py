@@ -19,9 +19,7 @@ from deltarule. Bounds:
 
 from __future__ import annotations
 
-import doctest
 import math
-import zlib
 
 import ml_dtypes
 import numpy as np
@@ -32,7 +30,7 @@ import deltarule
 from deltarule import ContractError
 from deltarule.contracts import ascend
 
-from conftest import rel
+from conftest import read_only, rel, rng_for
 
 OUT_RTOL, STORE_RTOL, BF16_ATOL, BF16_NORM = 2.0 ** -8, 2.0 ** -7, 1e-4, 2.0 ** -8
 F32_TOL = 1e-5
@@ -79,11 +77,6 @@ def golden(q, k, v, beta, slab, lengths, indices, g=None, gk=None, accepted=None
 # ---------------------------------------------------------------------------
 # inputs
 # ---------------------------------------------------------------------------
-
-def rng_for(request) -> np.random.Generator:
-    """A generator seeded by the test id: reproducible, different per case."""
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
-
 
 def bf16(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(torch.bfloat16)
@@ -322,31 +315,9 @@ def test_numpy_state_is_updated_in_the_callers_array(request, state_form):
         assert not big[1::2].any()                 # the rows between the view's are untouched
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_matches_cpu(request):
-    x = make(rng_for(request), LENGTHS["mixed"], accepted=True)
-    xc = {n: t.cuda() for n, t in x.items()}
-    out = call(x)
-    out_c = call(xc)
-    assert out_c.device.type == "cuda"
-    assert_bf16_close(out_c.cpu(), out.double().numpy(), "out", rtol=STORE_RTOL)
-    assert_bf16_close(xc["state"].cpu(), x["state"].double().numpy(), "state", rtol=STORE_RTOL)
-
-
-def test_docstring_examples_run():
-    result = doctest.testmod(ascend)
-    assert result.attempted > 0 and result.failed == 0
-
-
 # ---------------------------------------------------------------------------
 # contract errors: each names the Ascend argument; the slab is untouched
 # ---------------------------------------------------------------------------
-
-def _read_only(a):
-    a = a.copy()
-    a.flags.writeable = False
-    return a
-
 
 BF = torch.bfloat16
 ERRORS = {
@@ -372,7 +343,7 @@ ERRORS = {
     "state-k-major": (lambda x: dict(state=x["state"].transpose(-1, -2).contiguous()), "state"),
     "state-heads": (lambda x: dict(state=x["state"][:, :2]), "state"),
     "state-float16": (lambda x: dict(state=x["state"].half()), "state"),
-    "state-read-only-array": (lambda x: dict(state=_read_only(x["state"].float().numpy())), "state"),
+    "state-read-only-array": (lambda x: dict(state=read_only(x["state"].float().numpy())), "state"),
     "lengths-zero": (lambda x: dict(actual_seq_lengths=torch.tensor([5, 0], dtype=I32)), "actual_seq_lengths"),
     "lengths-negative": (lambda x: dict(actual_seq_lengths=torch.tensor([6, -1], dtype=I32)), "actual_seq_lengths"),
     "lengths-nine": (lambda x: dict(actual_seq_lengths=torch.tensor([9, -4], dtype=I32)), "actual_seq_lengths"),

@@ -9,7 +9,6 @@ for the output AND the present state.
 
 from __future__ import annotations
 
-import zlib
 
 import numpy as np
 import pytest
@@ -20,17 +19,13 @@ from deltarule import ContractError
 from deltarule.contracts import onnx as donnx
 from deltarule.peers import run_onnx_node
 
-from conftest import rel
+from conftest import rel, rng_for
 
 F32_TOL, F16_TOL = 2e-5, 1e-2
 RULES = ("linear", "gated", "delta", "gated_delta")
 GATED = ("gated", "gated_delta")
 DELTA = ("delta", "gated_delta")
 HEADS = {"mha": (2, 2), "gqa": (4, 2), "mqa": (4, 1)}   # (q_num_heads, kv_num_heads)
-
-
-def rng_for(request) -> np.random.Generator:
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
 def reference(q, k, v, past=None, decay=None, beta=None, **attrs):

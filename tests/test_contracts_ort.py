@@ -8,7 +8,6 @@ for float32 and 1e-2 for float16, for outputs AND states.
 
 from __future__ import annotations
 
-import zlib
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ from deltarule import ContractError
 from deltarule.contracts import ort as dort
 from deltarule.peers import run_onnx_node
 
-from conftest import rel
+from conftest import rel, rng_for
 
 F32_TOL, F16_TOL = 2e-5, 1e-2
 RULES = ("linear", "gated", "delta", "gated_delta")
@@ -30,11 +29,6 @@ DELTA = ("delta", "gated_delta")
 # ---------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------
-
-def rng_for(request) -> np.random.Generator:
-    """A generator seeded by the test id: reproducible, different per case."""
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
-
 
 def normal(rng, *shape, dtype=np.float32):
     return rng.standard_normal(shape).astype(dtype)

@@ -8,12 +8,15 @@ import pytest
 
 import deltarule.api
 import deltarule.batch
+import deltarule.contracts.ascend
+import deltarule.contracts.slab
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
 
-@pytest.mark.parametrize("module", [deltarule.api, deltarule.batch], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [deltarule.api, deltarule.batch, deltarule.contracts.ascend,
+                                    deltarule.contracts.slab], ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
