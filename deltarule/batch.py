@@ -186,14 +186,15 @@ class BatchPlan:
         touched. Values are cast to the slab's dtype (rounding to nearest even)."""
         sequences, rows = self.final_writes()
         if finals is not None and len(rows):
-            self._copy_rows(slab, rows, finals.index_select(0, torch.from_numpy(sequences).to(finals.device)))
+            picked = finals.index_select(0, self._on(finals.device, "final sequences", sequences))
+            slab.index_copy_(0, self._on(slab.device, "final rows", rows), picked.to(slab.device, slab.dtype))
         rows = self.token_writes()[2]
         if token_states is not None and len(rows):
-            self._copy_rows(slab, rows, token_states)
+            slab.index_copy_(0, self._on(slab.device, "token rows", rows), token_states.to(slab.device, slab.dtype))
 
-    @staticmethod
-    def _copy_rows(slab: torch.Tensor, rows: np.ndarray, values: torch.Tensor) -> None:
-        slab.index_copy_(0, torch.from_numpy(rows).to(slab.device), values.to(slab.device, slab.dtype))
+    def _on(self, device: torch.device, name: str, index: np.ndarray) -> torch.Tensor:
+        """An index array of the plan as a tensor on `device`, made once."""
+        return self.cached((name, device), lambda: torch.from_numpy(index).to(device))
 
     def check_call(self, *, B: int, T: int, device: torch.device, num_slots: int | None) -> None:
         """Refuse tensors of another batch layout than the plan's (ContractError)."""
@@ -327,7 +328,7 @@ def _speculative(B, T, device, ranges, rows, L, num_accepted_tokens, num_slots, 
             spans.append(Span(b, s, s, -1, -1))
             continue
         if e - s > L:
-            raise ContractError("state_indices", f"[N, L] with L >= every live sequence's length",
+            raise ContractError("state_indices", "[N, L] with L >= every live sequence's length",
                                 f"L = {L}, sequence {n} has {e - s} tokens")
         if num_accepted_tokens is not None and a > e - s:
             raise ContractError(f"num_accepted_tokens[{n}]",
