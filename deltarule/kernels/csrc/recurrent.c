@@ -10,7 +10,7 @@
  *            u = w*v - r,     o_g = scale * (p_g + (q_g . k) u)
  *   update:  S = S' + k u^T
  *
- * which is DESIGN.md section 1 read after the update: S_t^T q = S'^T q + u (k . q).
+ * which is docs/design.md section 1 read after the update: S_t^T q = S'^T q + u (k . q).
  *
  * Lazy decay. The tiles hold S-hat with S = diag(c) S-hat. The decay folds into
  * the key-side vectors (c' = c*d; r = S-hat^T (c'*b*k), p_g = S-hat^T (c'*q_g))
