@@ -90,6 +90,23 @@ def read_only(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def assert_refused(call, args: dict, argument: str) -> None:
+    """`call(args)` raises a ContractError naming `argument` ("argument: expected ..."), and the
+    state it would update in place (`args["state"]`, torch or NumPy) keeps every bit."""
+    from deltarule import ContractError
+
+    state = args["state"]
+    before = state.copy() if isinstance(state, np.ndarray) else state.clone()
+    with pytest.raises(ContractError) as info:
+        call(args)
+    assert info.value.argument == argument
+    assert str(info.value).startswith(f"{argument}: expected ")
+    if isinstance(state, np.ndarray):
+        np.testing.assert_array_equal(state, before)
+    else:
+        assert torch.equal(state, before), "the state changed although the call was refused"
+
+
 def state_dtype(args: dict) -> torch.dtype:
     """The storage dtype of a call's state: initial_state's, float32 without one."""
     init = args.get("initial_state")

@@ -27,10 +27,9 @@ import pytest
 import torch
 
 import deltarule
-from deltarule import ContractError
 from deltarule.contracts import ascend
 
-from conftest import read_only, rel, rng_for
+from conftest import assert_refused, read_only, rel, rng_for
 
 OUT_RTOL, STORE_RTOL, BF16_ATOL, BF16_NORM = 2.0 ** -8, 2.0 ** -7, 1e-4, 2.0 ** -8
 F32_TOL = 1e-5
@@ -385,13 +384,4 @@ def test_contract_errors(request, case):
     x = make(rng_for(request), [3, 2], Dk=8, Dv=6, accepted=True, block_num=8)
     change, name = ERRORS[case]
     x.update(change(x))
-    state = x["state"]
-    before = state.copy() if isinstance(state, np.ndarray) else state.clone()
-    with pytest.raises(ContractError) as info:
-        call(x)
-    assert info.value.argument == name
-    assert str(info.value).startswith(f"{name}: expected ")
-    if isinstance(state, np.ndarray):
-        np.testing.assert_array_equal(state, before)
-    else:
-        assert torch.equal(state, before), "the slab changed although the call was refused"
+    assert_refused(call, x, name)
