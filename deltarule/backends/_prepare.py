@@ -225,7 +225,8 @@ def finish(p: Problem, pk: Packing, o: torch.Tensor, S: torch.Tensor | None,
         return o, state.contiguous()
     if token_states is not None:
         sequences, tokens, _ = p.plan.token_writes()
-        flat = torch.from_numpy(sequences * L + tokens).to(token_states.device)
+        flat = p.plan.cached(("token states", L, token_states.device),
+                             lambda: torch.from_numpy(sequences * L + tokens).to(token_states.device))
         token_states = layout(token_states.reshape(N * L, Hv, p.K, p.V).index_select(0, flat))
     p.plan.store(p.initial_state, layout(S), token_states)
     return o, p.initial_state

@@ -51,6 +51,7 @@ ELEMENT_STEPS_PER_THREAD = 1 << 20
 
 def _last_level_cache_bytes() -> int:
     """The largest CPU cache in bytes (Linux sysfs), 32 MiB where it cannot be read."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     sizes = []
     for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
         try:
@@ -58,7 +59,6 @@ def _last_level_cache_bytes() -> int:
                 text = f.read().strip()
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
     return max(sizes, default=32 << 20)
 
@@ -70,7 +70,6 @@ def _last_level_cache_bytes() -> int:
 # (16 heads, 2-16 MB of states) ran 1.3-1.4x faster with plain stores, B = 64 (128 MB)
 # 1.2x faster streaming.
 LAST_LEVEL_CACHE_BYTES = _last_level_cache_bytes()
-STREAM_MIN_BYTES = LAST_LEVEL_CACHE_BYTES
 
 
 def available() -> bool:
@@ -107,7 +106,7 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     state_bytes = 2 * p.N * p.Hv * p.K * p.V * p.state_dtype.itemsize
     cpu_recurrent.recurrent(q, k, v, g, gk, b, w, S0, S, o, spans=spans, token_rows=token_rows, owner=owner,
                             scale=p.scale, l2norm_eps=p.l2norm_eps if p.qk_l2norm else None,
-                            stream_state=not p.in_place and state_bytes > STREAM_MIN_BYTES, threads=threads)
+                            stream_state=not p.in_place and state_bytes > LAST_LEVEL_CACHE_BYTES, threads=threads)
 
     o = o.view(p.B, p.T, p.Ho, p.V)
     if p.in_place:
