@@ -66,7 +66,7 @@ SLOW_CALL_S = 0.5
 CORRECTNESS_SHARE = 0.3  # correctness cases stop at this share of the budget
 PREFILL_SHARE = 0.75   # prefill timings stop at this share of the budget, leaving time for decode
 
-SECTIONS = ("environment", "hbm copy bandwidth", "correctness", "prefill", "decode", "targets")
+SECTIONS = ("environment", "hbm copy bandwidth", "correctness", "prefill", "decode", "backward", "targets")
 
 # test.json cases for the correctness table: (name, dtypes). Every rule, g / gk / g+gk,
 # beta / erase+write, GVA, GQA, varlen with an empty sequence, slab with padding, layouts,
@@ -635,6 +635,77 @@ def section_decode(cfg, rep):
     rep.data["decode"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results]
 
 
+GRAD_INPUTS = ("q", "k", "v", "g", "gk", "beta", "erase", "write")
+
+
+def _grads(fn, x):
+    """(o, the gradients of GRAD_INPUTS in x) of loss = (o * do).sum() + (state * dS).sum()."""
+    leaves = [x[n] for n in GRAD_INPUTS if x.get(n) is not None]
+    for t in leaves:
+        t.requires_grad_(True)
+    try:
+        o, state = fn()
+        gen = torch.Generator(device=o.device).manual_seed(0)
+        loss = (o.float() * torch.randn(o.shape, generator=gen, device=o.device)).sum() \
+            + (state.float() * torch.randn(state.shape, generator=gen, device=o.device)).sum()
+        return o, torch.autograd.grad(loss, leaves)
+    finally:
+        for t in leaves:
+            t.requires_grad_(False)
+
+
+def section_backward(cfg, rep):
+    """Gradients of the primary backend: against the float64 reference's autograd on 130-token
+    cases, then forward + backward time beside fla's chunk kernels (their own backward)."""
+    label, backend = cfg.primary
+    rep.print(f"loss = (o * do).sum() + (state * dS).sum(); grad diff = the largest ||d - d_ref|| / ||d_ref|| "
+              f"over q, k, v and the gates; {label} = backend {backend!r}")
+    rows, failed = [], 0
+    for i, kind in enumerate(("gdn", "kda", "gdn2")):
+        x = make_timing_inputs(cfg, Hk=2, Hv=4 if kind == "gdn" else 2, T=130, kind=kind, seed=500 + i)
+        try:
+            _, got = _grads(deltarule_call(x, backend), x)
+            _, ref = _grads(deltarule_call(x, "reference"), x)
+            err = max(_diff(a, b) for a, b in zip(got, ref))
+            ok = err <= TOL[str(cfg.dtype).replace("torch.", "")] * 4
+            status = "ok" if ok else "FAILED"
+        except Exception as e:  # noqa: BLE001
+            err, ok, status = float("nan"), False, f"ERROR {type(e).__name__}: {_short(str(e))}"
+        failed += not ok
+        rows.append((kind, "T130", f"{err:.1e}", status))
+    rep.table(("kind", "shape", "grad diff", "status"), rows)
+    fns, fns_error = _load_fla(cfg)
+    timings = []
+    for name, Hk, Hv, T, seqs, kind in [next(p for p in cfg.prefill if p[5] == k) for k in ("gdn", "kda", "gdn2")
+                                         if any(p[5] == k for p in cfg.prefill)]:
+        if cfg.elapsed() > cfg.budget:
+            timings.append((name, kind, "-", "-", "-", "-", f"skipped: past the {cfg.budget:.0f} s budget"))
+            continue
+        x = make_timing_inputs(cfg, Hk=Hk, Hv=Hv, T=T, seqs=seqs, kind=kind, seed=600)
+        row = [name, kind]
+        try:
+            ours = deltarule_call(x, backend)
+            o_ref, g_ref = _grads(ours, x)
+            t_ours = bench_s(cfg, lambda: _grads(ours, x))
+            row += [f"{t_ours * 1e3:.2f}"]
+            if fns is None:
+                row += ["-", "-", "-", f"fla: {fns_error}"]
+            else:
+                theirs = fla_call(fns, x, kind, decode=False)
+                _, g_fla = _grads(theirs, x)
+                t_fla = bench_s(cfg, lambda: _grads(theirs, x))
+                err = max(_diff(a, b) for a, b in zip(g_fla, g_ref))
+                row += [f"{t_fla * 1e3:.2f}", f"{t_fla / t_ours:.2f}", f"{err:.1e}", "ok"]
+        except Exception as e:  # noqa: BLE001
+            row += ["-"] * (6 - len(row)) + [f"ERROR {type(e).__name__}: {_short(str(e))}"]
+        timings.append(tuple(row[:7]))
+        del x
+        free_memory(cfg)
+    rep.table(("shape", "kind", f"{label} fwd+bwd ms", "fla fwd+bwd ms", "ratio", "grad diff", "status"), timings)
+    rep.print(f" {failed} failed")
+    rep.data["backward"] = {"correctness": rows, "timings": timings, "failed": failed}
+
+
 def section_targets(cfg, rep):
     label = cfg.primary[0]
     rows = []
@@ -702,7 +773,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds after which remaining timings are skipped (default 360, quick 150, dry 60)")
     ap.add_argument("--sections", default=",".join(s.split()[0] for s in SECTIONS),
-                    help="comma-separated subset of: environment,hbm,correctness,prefill,decode,targets")
+                    help="comma-separated subset of: environment,hbm,correctness,prefill,decode,backward,targets")
     args = ap.parse_args(argv)
     cfg = Config(args)
     rep = Report()
@@ -711,7 +782,7 @@ def main(argv=None) -> int:
     rep.print(f"deltarule GPU check, {mode}, {time.strftime('%Y-%m-%d %H:%M:%S')}")
     funcs = {"environment": section_environment, "hbm copy bandwidth": section_copy,
              "correctness": section_correctness, "prefill": section_prefill, "decode": section_decode,
-             "targets": section_targets}
+             "backward": section_backward, "targets": section_targets}
     errors = 0
     for title in SECTIONS:
         if title.split()[0] not in wanted:

@@ -9,6 +9,7 @@ on sm_90 is 227 KiB)::
 
     python benchmarks/triton_aot.py                 # all variants, K = V = 128 (minutes on 2 cores)
     python benchmarks/triton_aot.py --only recurrent,cumsum --K 32 --V 32   # a fast subset
+    python benchmarks/triton_aot.py --only grad                              # the gradient kernels
 
 Exit status 1 if a variant fails to compile or needs more shared memory than the target has.
 """
@@ -31,11 +32,12 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from deltarule.kernels import triton_backward as tb  # noqa: E402
 from deltarule.kernels import triton_chunked as tc  # noqa: E402
 from deltarule.kernels import triton_recurrent as tr  # noqa: E402
 
 SHARED_LIMIT = {90: 232448, 80: 166912, 89: 101376}      # bytes per block (opt-in maximum)
-INTS = ("L", "H", "Hk", "Hq", "K", "V", "NC", "W")
+INTS = ("L", "H", "Hk", "Hq", "K", "V", "NC", "W", "B", "T", "CS")
 NO_SEQ = {"seq": None, "chunks": None}
 STRIDES = ("s0_n", "s0_h", "s0_k", "s0_v", "s_n", "s_h", "s_k", "s_v")
 
@@ -104,15 +106,26 @@ def variants(K: int, V: int, dt: str):
                 dict(chunk, HAS_DECAY=False, DECAY_PER_KEY=False, **plain, HAS_ERASE=False, L2NORM=False,
                      HAS_INIT=False, HAS_INDEX=False, BV=BV, g=None, gc=None, y=None, S0=None, idx=None,
                      VARLEN=False, seq=None)))
+    # the gradient path (kernels/triton_backward.py): float32 operands, preprocessing done in torch
+    grad_BK, grad_BV = tb._tiles(K, V)
+    f32_ops = {"q": "*fp32", "k": "*fp32", "v": "*fp32", "seq": "*i64"}
+    for per_key in (False, True):
+        gates = dict(HAS_G=True, HAS_GK=per_key, HAS_ERASE=True, ERASE_PER_KEY=per_key, HAS_WRITE=True,
+                     WRITE_PER_VALUE=per_key, BT=tb.CHECKPOINT, BK=grad_BK, BV=grad_BV, G=2 if per_key else 1)
+        form = "decay=g+gk erase/write G=2" if per_key else "decay=g beta"
+        out.append((f"grad forward {form}", tb._forward_kernel, dict(gates, HAS_INIT=True), f32_ops))
+        out.append((f"grad backward {form}", tb._backward_kernel,
+                    dict(gates, HAS_DS=True, HAS_DS0=True, BV=tb._tiles(K, V, tb.BACKWARD_TILE)[1]), f32_ops))
     return [v if len(v) == 4 else (*v, {}) for v in out]
 
 
 def compile_one(fn, consts: dict, dt: str, target, num_warps: int, pointers: dict):
     types = {n: "i32" for n in INTS}
     types.update({n: "i64" for n in STRIDES})
-    types.update(scale="fp32", eps="fp32", idx="*i64", tok="*i64", **pointers)
+    types.update(scale="fp32", eps="fp32", idx="*i64", tok="*i64")
     for n in ("q", "k", "v"):
         types[n] = "*" + dt
+    types.update(pointers)                      # a variant's own pointer types win (float32 q, k, v)
     missing = [n for n, p in zip(fn.arg_names, fn.params) if p.is_constexpr and n not in consts]
     if missing:
         raise ValueError(f"constexpr parameters not given: {missing}")

@@ -20,6 +20,7 @@ from .problem import (
     RULES,
     STATE_DTYPES,
     Problem,
+    differentiable_inputs,
 )
 
 _DTYPE_NAMES = "float32, float16 or bfloat16"
@@ -128,8 +129,11 @@ def linear_attention(
         N = len(cu_seqlens) - 1 with varlen, else B.
 
     Raises:
-        ContractError: any invalid argument, before any work.
-        Unsupported: the named backend declines this valid call.
+        ContractError: any invalid argument, before any work; with inputs that
+            require grad, also a slab (`state_indices`) or overlapping
+            `cu_seqlens` sequences (autograd cannot follow them).
+        Unsupported: the named backend declines this valid call (e.g. it has no
+            backward and an input requires grad).
 
     Example:
         >>> import torch, deltarule
@@ -142,11 +146,21 @@ def linear_attention(
         >>> tuple(o.shape), tuple(state.shape)
         ((1, 5, 2, 8), (1, 2, 8, 8))
 
+    Gradients (docs/design.md, "Gradients"): differentiable with respect to q,
+    k, v, g, gk, beta, erase, write, A_log, dt_bias and a non-slab
+    initial_state, through each backend's own reverse kernel::
+
+        >>> _ = q.requires_grad_(True)
+        >>> o, state = deltarule.linear_attention(q, k, v, g=g, beta=beta)
+        >>> (o.square().sum() + state.sum()).backward()
+        >>> tuple(q.grad.shape)
+        (1, 5, 2, 8)
+
     Speculative decoding (docs/design.md, "Speculative decoding"): verify 3
     draft tokens per request, keeping every token's state in its own row::
 
         >>> slab = torch.zeros(8, H, K, V)
-        >>> q, k, v = (torch.randn(2, 3, H, d) for d in (K, K, V))
+        >>> q, k, v = (torch.randn(2, 3, H, d) for d in (K, K, V))     # no grad: a slab is updated in place
         >>> rows = torch.tensor([[0, 1, 2], [4, 5, 6]])      # request n's 3 rows
         >>> o, slab = deltarule.linear_attention(
         ...     q, k, v, g=-torch.rand(2, 3, H), beta=torch.rand(2, 3, H),
@@ -263,6 +277,12 @@ def validate(
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
         raise ContractError("chunk_size", "an int >= 1", repr(chunk_size))
 
+    requires_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad
+        for x in differentiable_inputs(q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state))
+    if requires_grad:
+        _check_differentiable(plan)
+
     return Problem(
         q=q, k=k, v=v, rule=rule, g=g, gk=gk, beta=beta, erase=erase, write=write,
         scale=float(scale), initial_state=initial_state, state_layout=state_layout,
@@ -270,8 +290,18 @@ def validate(
         beta_sigmoid=beta_sigmoid, chunk_size=int(chunk_size),
         B=B, T=T, Hq=Hq, Hk=Hk, Hv=Hv, K=K, V=V, G=max(Hq // Hv, 1), Ho=max(Hq, Hv),
         state_dtype=initial_state.dtype if isinstance(initial_state, torch.Tensor) else torch.float32,
-        device=device,
+        device=device, requires_grad=requires_grad,
     )
+
+
+def _check_differentiable(plan: BatchPlan) -> None:
+    """A call whose inputs require grad must be one autograd can follow."""
+    if plan.in_place:
+        raise ContractError("state_indices", "None when an input requires grad (a state slab is "
+                            "updated in place, which autograd cannot differentiate)", "slab rows")
+    if plan.overlapping():
+        raise ContractError("cu_seqlens", "sequences that do not overlap when an input requires grad",
+                            "overlapping (clamped) sequences")
 
 
 def _finite_real(x) -> bool:

@@ -34,6 +34,13 @@ class DeviceSlab:
     shape: tuple[int, int, int, int]
 
 
+def differentiable_inputs(q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state):
+    """(q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state): the arguments of
+    `linear_attention` that gradients reach; a device slab is not one."""
+    state = initial_state if isinstance(initial_state, torch.Tensor) else None
+    return q, k, v, g, gk, beta, erase, write, A_log, dt_bias, state
+
+
 @dataclass(frozen=True)
 class Problem:
     """Every argument of `linear_attention`, validated, with derived sizes.
@@ -76,6 +83,12 @@ class Problem:
     Ho: int         # output heads: Hq for the GQA form (Hq > Hv), Hv otherwise
     state_dtype: torch.dtype   # the state's storage dtype: initial_state's, float32 without one
     device: torch.device
+    requires_grad: bool        # autograd is on and a differentiable input requires grad
+
+    def differentiable_inputs(self) -> tuple[torch.Tensor | None, ...]:
+        """The inputs a gradient can flow to, in the API's order (None where absent)."""
+        return differentiable_inputs(self.q, self.k, self.v, self.g, self.gk, self.beta, self.erase,
+                                     self.write, self.A_log, self.dt_bias, self.initial_state)
 
     @property
     def spans(self) -> tuple[Span, ...]:

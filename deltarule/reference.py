@@ -1,7 +1,9 @@
 """The float64 oracle: the recurrence of docs/design.md section 1, token by token.
 
 Straight from the formula, in NumPy float64, one sequence at a time; every
-other backend is tested against `solve`. Slow by design.
+other backend is tested against `solve`. Slow by design. `differentiable` is
+its torch twin, for gradients: the same loop in float64 torch ops, which
+autograd differentiates (the oracle of every backward kernel).
 """
 
 from __future__ import annotations
@@ -147,9 +149,74 @@ def expected_state(p: Problem, sol: Solution) -> torch.Tensor:
     return slab
 
 
+def differentiable(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [B, T, Ho, V], finals [N, Hv, K, V] K-major), float64 on p's device, computed
+    from p's tensors by float64 torch ops that autograd follows back to them. For calls
+    without a slab (the gradient path's contract); zero outputs where no sequence owns
+    a token."""
+    f64 = torch.float64
+    x64 = lambda x: None if x is None else x.to(f64)  # noqa: E731
+    q, k, v = x64(p.q), x64(p.k), x64(p.v)
+    if p.qk_l2norm:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + p.l2norm_eps)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + p.l2norm_eps)
+    g, gk = x64(p.g), x64(p.gk)
+    if p.A_log is not None:
+        rate = -torch.exp(x64(p.A_log))
+        if g is not None:
+            g = rate * torch.nn.functional.softplus(g + x64(p.dt_bias))
+        else:
+            gk = rate[:, None] * torch.nn.functional.softplus(gk + x64(p.dt_bias))
+    act = torch.sigmoid if p.beta_sigmoid else (lambda x: x)
+    if p.beta is not None:
+        b = w = act(x64(p.beta))[..., None]
+    elif p.retrieves:
+        b, w = act(x64(p.erase)), act(x64(p.write))
+    else:
+        b = w = None
+    init = x64(p.initial_state)
+    if init is not None and p.state_layout == "vk":
+        init = init.transpose(-1, -2)
+
+    Hv, G = p.Hv, p.G
+    key_head = torch.arange(Hv, device=p.device) // (Hv // p.Hk)
+    query_heads = key_head[:, None] if p.Hq <= p.Hv else torch.arange(p.Hq, device=p.device).reshape(Hv, G)
+    owner = p.plan.owner()
+    zero = q.new_zeros(p.Ho, p.V)
+    rows = [[zero] * p.T for _ in range(p.B)]
+    finals = []
+    for n, span in enumerate(p.spans):
+        S = q.new_zeros(Hv, p.K, p.V) if init is None else init[n]
+        for t in range(span.start, span.end):
+            kt = k[span.row, t][key_head]
+            if g is not None or gk is not None:
+                lam = 0.0
+                if g is not None:
+                    lam = lam + g[span.row, t][:, None]
+                if gk is not None:
+                    lam = lam + gk[span.row, t]
+                S = torch.exp(lam)[:, :, None] * S
+            u = v[span.row, t] if w is None else v[span.row, t] * w[span.row, t]
+            if b is not None:
+                u = u - torch.einsum("hk,hkv->hv", b[span.row, t] * kt, S)
+            S = S + kt[:, :, None] * u[:, None, :]
+            if owner[span.row * p.T + t] == n:
+                qt = q[span.row, t][query_heads]
+                rows[span.row][t] = p.scale * torch.einsum("hgk,hkv->hgv", qt, S).reshape(p.Ho, p.V)
+        finals.append(S)
+    o = torch.stack([torch.stack(r) for r in rows]) if p.T else q.new_zeros(p.B, 0, p.Ho, p.V)
+    return o, torch.stack(finals) if finals else q.new_zeros(0, Hv, p.K, p.V)
+
+
 def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """The `reference` backend: `solve`, then the API's output dtype and state contract
-    (the returned state in the state's storage dtype, rounded to nearest even)."""
+    (the returned state in the state's storage dtype, rounded to nearest even). With
+    inputs that require grad: `differentiable`, gradients by autograd in float64."""
+    if p.requires_grad:
+        o, finals = differentiable(p)
+        if p.state_layout == "vk":
+            finals = finals.transpose(-1, -2)
+        return o.to(p.v.dtype), finals.to(p.state_dtype).contiguous()
     sol = solve(p)
     o = torch.from_numpy(sol.o).to(p.v.device, p.v.dtype)
     if not p.in_place:

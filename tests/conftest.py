@@ -158,3 +158,55 @@ def err(x: torch.Tensor, ref: np.ndarray) -> float:
     if np.linalg.norm(ref) > 0:
         return rel(x, ref)
     return float(np.abs(x.detach().double().cpu().numpy()).max(initial=0.0))
+
+
+# The arguments of linear_attention that gradients reach, and the tolerance of a gradient
+# against the float64 oracle's (relative, over the whole tensor): issue 12 asks float32 to do
+# far better than fla's own test tolerances (0.008 to 0.02 relative RMS); 16-bit gradients
+# carry one rounding to their dtype besides the float32 arithmetic.
+DIFFERENTIABLE = ("q", "k", "v", "g", "gk", "beta", "erase", "write", "A_log", "dt_bias", "initial_state")
+GRAD_TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
+
+
+def gradients(args: dict, backend: str, seed: int = 0, fn=None):
+    """(o, state, {name: gradient}) of loss = (o * do).sum() + (state * dS).sum(), with do and
+    dS drawn from `seed`, through `fn(**args, backend=backend)` (linear_attention by default).
+    The differentiable inputs become fresh leaves that require grad; args is not modified."""
+    import deltarule
+
+    fn = fn or deltarule.linear_attention
+    leaves = {n: x.detach().clone().requires_grad_(True) for n, x in args.items()
+              if n in DIFFERENTIABLE and isinstance(x, torch.Tensor)}
+    o, state = fn(**{**args, **leaves}, backend=backend)
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen).to(o.device, o.dtype)
+    dS = torch.randn(state.shape, generator=gen).to(state.device, state.dtype)
+    loss = (o.float() * do.float()).sum() + (state.float() * dS.float()).sum()
+    # an input no output depends on (T = 0) gets zeros; a missing dependence elsewhere shows
+    # up as a mismatch against the oracle
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True, materialize_grads=True)
+    return o, state, dict(zip(leaves, grads))
+
+
+def small_case(**over) -> dict:
+    """A test.json-style case dict of tiny sizes (`deltarule.cases.make_inputs` takes it), overridable."""
+    case = dict(seed=7, B=2, T=20, Hq=2, Hk=2, Hv=2, K=16, V=12, rule="gated_delta", initial_state=True)
+    case.update(over)
+    return case
+
+
+def assert_gradients_match(args: dict, backend: str, tol: float, reference=None) -> None:
+    """o, the state and every input's gradient (`gradients`) through `backend` within `tol`
+    (relative) of the float64 oracle's (`reference`: its `gradients` result, computed here
+    when not given). Each gradient has its input's shape and dtype."""
+    o, state, grads = gradients(args, backend)
+    ref_o, ref_state, ref_grads = reference or gradients(args, "reference")
+    assert o.requires_grad and state.requires_grad
+    assert set(grads) == set(ref_grads) and grads
+    errors = {"o": err(o, ref_o.detach().double().cpu().numpy()),
+              "state": err(state, ref_state.detach().double().cpu().numpy())}
+    for name, grad in grads.items():
+        assert grad.shape == args[name].shape and grad.dtype == args[name].dtype, name
+        errors["d" + name] = err(grad, ref_grads[name].double().cpu().numpy())
+    bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= tol}
+    assert not bad, f"{backend}: relative errors over {tol:.0e}: {bad}"

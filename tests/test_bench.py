@@ -132,3 +132,18 @@ def test_scaling_table_runs(capsys):
     crossover.main(["--scaling", "32,64", "--case", "tiny-prefill"])
     out = capsys.readouterr().out
     assert "µs/token" in out and len(out.strip().splitlines()) == 3
+
+
+def test_bench_backward_times_forward_and_backward_beside_autograd(tmp_path, capsys):
+    out_json = tmp_path / "backward.json"
+    assert cli.main(["bench", "--backward", "--case", "tiny", "--repeat", "2", "--budget", "0.1",
+                     "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    for needle in ("fwd+bwd ms", "kept MB", "bound MB", "transformers ms", "grad err", "tiny-prefill"):
+        assert needle in text
+    (result,) = json.loads(out_json.read_text())["backward"]        # the decode case is left out
+    assert result["case"]["name"] == "tiny-prefill"
+    assert result["fwd_bwd_ms"] > result["forward_ms"] > 0
+    assert 0 < result["kept_bytes"] <= result["bound_bytes"]
+    peer = result["peers"]["transformers"]
+    assert peer["status"] == "ok" and peer["grad_rel_err"] < 1e-4       # the same gradients

@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu.py"
 HEADERS = ("== environment ==", "== hbm copy bandwidth ==", "== correctness ==", "== prefill ==",
-           "== decode ==", "== targets ==")
+           "== decode ==", "== backward ==", "== targets ==")
 
 
 def test_gpu_script_compiles():
@@ -38,6 +38,7 @@ def test_gpu_script_dry_run(tmp_path):
     assert data["correctness"]["failed"] == 0
     assert data["correctness"]["cases"]
     assert data["correctness"]["poison_active"] is True
+    assert data["backward"]["failed"] == 0 and data["backward"]["timings"]
     assert all(r.get("status") == "ok" for r in data["prefill"] + data["decode"]), data["prefill"] + data["decode"]
     assert {r["kind"] for r in data["prefill"]} == {"gdn", "kda", "gdn2"}
     assert data["hbm_copy_GBps"] > 0

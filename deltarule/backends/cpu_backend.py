@@ -24,12 +24,13 @@ import torch
 
 from ..kernels import cpu_recurrent
 from ..problem import Problem
-from . import _prepare
+from . import _grad, _prepare
 from ._features import EVERYTHING
 
 NAME = "cpu"
 DESCRIPTION = "native V-tiled recurrence (C, POSIX threads, AVX2 / AVX-512 vectors)"
-SUPPORTS = dict(EVERYTHING, devices="CPU tensors")
+SUPPORTS = dict(EVERYTHING, devices="CPU tensors",
+                gradients="native reverse kernel (kernels/csrc/backward.c), every non-slab call")
 # Outputs of at least this many bytes come from `_POOL` (below): NumPy memory on
 # transparent huge pages, recycled once the caller drops the tensor, so they
 # cost no page faults after the first call. glibc maps every block of 32 MB and
@@ -47,6 +48,14 @@ POOL_BYTES = 1 << 30
 # later: between torch work on both cores a second thread lost 11-13 % at B = 1 decode
 # (2^19 steps), broke even at B = 2 and won 17-22 % at B = 4 (docs/performance.md).
 ELEMENT_STEPS_PER_THREAD = 1 << 20
+# Tokens between the states a differentiable forward keeps: the backward recomputes a
+# chunk's states from its start into a thread's scratch ([CHECKPOINT + 1, K, V] float32,
+# 4 MB at K = V = 128, which stays in the last-level cache).
+CHECKPOINT = 64
+# The gradient path takes buffers of at least this many bytes from the pool: a training step
+# allocates the same large buffers again and again, and fresh ones cost their page faults
+# (a T = 2048 16-head backward spent ~12 % of its time clearing new pages).
+GRAD_POOL_MIN_BYTES = 1 << 20
 
 
 def _last_level_cache_bytes() -> int:
@@ -83,6 +92,10 @@ def supports(p: Problem) -> str | None:
 
 
 def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    if p.requires_grad:
+        x = _grad.differentiable_operands(p)
+        o, S = _Recurrence.apply(p, x.q, x.k, x.v, x.g, x.gk, x.b, x.w, x.S0)
+        return o.view(p.B, p.T, p.Ho, p.V).to(p.v.dtype), _grad.differentiable_state(p, S)
     # float16 / bfloat16 are widened, and qk_l2norm applied, as the kernel reads q and k
     q = p.q.contiguous().view(p.B, p.T, p.Hq // p.G, p.G, p.K)
     k = p.k.contiguous()
@@ -155,11 +168,94 @@ def _tables(p: Problem):
     return plan.cached(("cpu", has_init), build)
 
 
-def _empty(shape, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
-    """A new tensor; large ones from `_POOL`, NaN-filled like torch.empty where
-    torch fills uninitialised memory."""
+def _threads(p: Problem, steps: int) -> int:
+    return max(1, min(torch.get_num_threads(), steps * p.Hv * p.K * p.V // ELEMENT_STEPS_PER_THREAD))
+
+
+class _Recurrence(torch.autograd.Function):
+    """The recurrence on `_grad.Operands` (float32, API token layout) -> (o [B, T, Hv, G, V]
+    float32, S [N, Hv, K, V] float32). The forward runs the kernel one chunk of CHECKPOINT
+    tokens at a time, keeping each chunk's starting state and every token's u = w*v - r
+    (so the backward recomputes a chunk's states without the retrieval); the backward
+    runs backward.c."""
+
+    @staticmethod
+    def forward(ctx, p, q, k, v, g, gk, b, w, S0):
+        spans, first = _checkpoint_tables(p)
+        R = int(first[-1])
+        ck = _empty((R, p.Hv, p.K, p.V), torch.float32, pool_from=GRAD_POOL_MIN_BYTES)
+        rows = torch.from_numpy(first[:-1])
+        ck[rows] = 0.0 if S0 is None else S0
+        o = _empty((p.B, p.T, p.Hv, p.G, p.V), torch.float32, zero=not p.plan.covered(),
+                   pool_from=GRAD_POOL_MIN_BYTES)
+        u = _empty((p.B, p.T, p.Hv, p.V), torch.float32, pool_from=GRAD_POOL_MIN_BYTES)
+        _, _, owner = _tables(p)
+        for chunk in spans:
+            cpu_recurrent.recurrent(q, k, v, g, gk, b, w, ck, ck, o, spans=chunk, token_rows=None, owner=owner,
+                                    scale=p.scale, l2norm_eps=None, stream_state=False,
+                                    threads=_threads(p, p.N * CHECKPOINT), u_out=u)
+        lengths = torch.tensor([-(-s.length // CHECKPOINT) for s in p.spans], dtype=torch.int64)
+        S = ck.index_select(0, rows + lengths)
+        ctx.p = p
+        ctx.save_for_backward(q, k, v, u, g, gk, b, w, ck)
+        return o, S
+
+    @staticmethod
+    def backward(ctx, do, dS):
+        p = ctx.p
+        q, k, v, u, g, gk, b, w, ck = ctx.saved_tensors
+        need = ctx.needs_input_grad[1:]
+        B, T, Hv, K, V = p.B, p.T, p.Hv, p.K, p.V
+        zero = not p.plan.covered()
+        out = lambda *shape: _empty(shape, torch.float32, zero=zero, pool_from=GRAD_POOL_MIN_BYTES)  # noqa: E731
+        gate = lambda x, channels: None if x is None else out(B, T, Hv, *channels[:x.dim() - 3])  # noqa: E731
+        dq = out(B, T, Hv, p.G, K) if need[0] else None
+        dk, dv = out(B, T, Hv, K), out(B, T, Hv, V)
+        dlam = None if g is None and gk is None else out(B, T, Hv, *((K,) if gk is not None else ()))
+        db, dw = gate(b, (K,)), gate(w, (V,))
+        dS0 = torch.empty(p.N, Hv, K, V) if need[7] else None
+        do = torch.zeros(B, T, Hv, p.G, V) if do is None else do.float().contiguous()
+        dS = None if dS is None else dS.float().contiguous()
+        cpu_recurrent.backward(q, k, v, u, g, gk, b, w, ck, dS, do, _backward_spans(p), dq, dk, dv, dlam, db, dw,
+                               dS0, scale=p.scale, chunk=CHECKPOINT, threads=_threads(p, 4 * p.plan.steps))
+        dq, dk = _grad.head_sums(p, dq, dk)
+        dg = None if g is None else (dlam if gk is None else dlam.sum(-1))
+        grads = (dq, dk, dv, dg, dlam if gk is not None else None, db, dw, dS0)
+        return (None, *(x if n else None for x, n in zip(grads, need)))
+
+
+def _checkpoint_tables(p: Problem):
+    """(spans: one [N, 5] kernel span table per chunk of CHECKPOINT tokens, first: [N + 1]
+    int64, sequence n's chunk-start states in rows first[n] .. first[n] + its chunks of
+    the checkpoint buffer, first[N] its size), kept with the plan."""
+    def build():
+        chunks = [-(-s.length // CHECKPOINT) for s in p.spans]
+        first = np.zeros(p.N + 1, dtype=np.int64)
+        first[1:] = np.cumsum(np.array(chunks, dtype=np.int64) + 1)
+        tables = []
+        for c in range(max(chunks, default=0)):
+            t = np.array([(s.row, s.start + c * CHECKPOINT, min(s.start + (c + 1) * CHECKPOINT, s.end),
+                           first[n] + c, first[n] + c + 1) if c < chunks[n] else (s.row, s.start, s.start, -1, -1)
+                          for n, s in enumerate(p.spans)], dtype=np.int64)
+            tables.append(torch.from_numpy(t.reshape(-1, 5)))
+        return tables, first
+    return p.plan.cached(("cpu checkpoints", CHECKPOINT), build)
+
+
+def _backward_spans(p: Problem) -> torch.Tensor:
+    """[N, 4] int64 (row, start, end, first checkpoint row) for backward.c."""
+    def build():
+        _, first = _checkpoint_tables(p)
+        return torch.tensor([(s.row, s.start, s.end, first[n]) for n, s in enumerate(p.spans)],
+                            dtype=torch.int64).reshape(-1, 4)
+    return p.plan.cached(("cpu backward spans", CHECKPOINT), build)
+
+
+def _empty(shape, dtype: torch.dtype, zero: bool = False, pool_from: int | None = None) -> torch.Tensor:
+    """A new tensor; those of at least `pool_from` bytes (default POOL_MIN_BYTES) from `_POOL`,
+    NaN-filled like torch.empty where torch fills uninitialised memory."""
     count, size = math.prod(shape), dtype.itemsize
-    if count * size < POOL_MIN_BYTES:
+    if count * size < (POOL_MIN_BYTES if pool_from is None else pool_from):
         return (torch.zeros if zero else torch.empty)(shape, dtype=dtype)
     x = _POOL.take(count * size).view(dtype).view(shape)
     if zero:

@@ -8,7 +8,8 @@ from ._features import EVERYTHING
 
 NAME = "reference"
 DESCRIPTION = "float64 NumPy token-by-token recurrence, the oracle (slow)"
-SUPPORTS = dict(EVERYTHING, devices="CPU computation (NumPy float64); tensors on any device")
+SUPPORTS = dict(EVERYTHING, devices="CPU computation (NumPy float64); tensors on any device",
+                gradients="float64 torch autograd through the token loop (the oracle), every non-slab call")
 
 
 def available() -> bool:

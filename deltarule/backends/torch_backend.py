@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import recurrent_backward
 from ..kernels.chunked import chunked
 from ..kernels.recurrent import recurrent
 from ..problem import Problem
@@ -14,7 +15,9 @@ NAME = "torch"
 DESCRIPTION = "chunked (WY/UT) prefill + recurrent decode in torch ops"
 SUPPORTS = dict(EVERYTHING, devices="any torch device",
                 note="speculative plans (per-token states) run token by token; the slab is gathered and "
-                     "scattered (not in place)")
+                     "scattered (not in place)",
+                gradients="token-serial reverse walk in torch ops (kernels/recurrent_backward.py), "
+                          "every non-slab call, any device")
 # Sequences up to this many tokens run token by token: below it the chunked
 # form's intra-chunk work costs more than it saves (crossover between T = 16
 # and 32 on the 16-head K = V = 128 layer on CPU, docs/performance.md). A
@@ -35,9 +38,36 @@ def supports(p: Problem) -> str | None:
 def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     pk = _prepare.pack(p)
     x = _prepare.operands(p, pk)
+    if p.requires_grad:
+        o, S = Recurrence.apply(p.scale, p.chunk_size, x.q, x.k, x.v, x.lam, x.b, x.w, x.S0)
+        return _prepare.finish(p, pk, o, S)
     states = None
     if pk.L <= RECURRENT_MAX_LEN or p.plan.speculative:
         o, S, states = recurrent(x.q, x.k, x.v, x.lam, x.b, x.w, x.S0, p.scale, keep_states=p.plan.speculative)
     else:
         o, S = chunked(x.q, x.k, x.v, x.lam, x.b, x.w, x.S0, p.scale, p.chunk_size)
     return _prepare.finish(p, pk, o, S, states)
+
+
+class Recurrence(torch.autograd.Function):
+    """`recurrent`'s contract with gradients: the forward keeps the chunk-start states
+    (`recurrent_backward.checkpointed`), the backward walks them in reverse
+    (`recurrent_backward.backward`). Operands in float32, or all float64 (gradcheck)."""
+
+    @staticmethod
+    def forward(ctx, scale, chunk_size, q, k, v, lam, b, w, S0):
+        o, S, starts = recurrent_backward.checkpointed(q, k, v, lam, b, w, S0, scale, chunk_size,
+                                                       recurrent_max_len=RECURRENT_MAX_LEN)
+        ctx.scale = scale
+        ctx.save_for_backward(q, k, v, lam, b, w, starts)
+        return o, S
+
+    @staticmethod
+    def backward(ctx, do, dS):
+        q, k, v, lam, b, w, starts = ctx.saved_tensors
+        if do is None:
+            N, L, H, G, V = *k.shape[:2], v.shape[2], q.shape[3], v.shape[3]
+            do = starts.new_zeros(N, L, H, G, V)
+        grads = recurrent_backward.backward(q, k, v, lam, b, w, starts, ctx.scale, do, dS,
+                                            needs=ctx.needs_input_grad[2:])
+        return (None, None, *grads)

@@ -11,6 +11,10 @@ layout, strided) and, with `state_indices`, update the slab rows in place
 (a negative index: the row is never touched, the output is zero). The
 kernels take the operands as given and fuse the preprocessing: the raw-gate
 arm, `beta_sigmoid` and `qk_l2norm`.
+Gradients: a call whose inputs require grad runs the preprocessing in torch
+ops (`_grad.differentiable_operands`), then `_Recurrence`, whose forward keeps
+the state every 64 tokens and whose backward is the token-serial, V-tiled
+reverse kernel of `kernels/triton_backward.py` (not yet a chunked WY backward).
 Runs on CPU tensors under `TRITON_INTERPRET=1` (for tests), which must be set
 before the first call imports the kernel module.
 """
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..problem import Problem
-from . import _prepare
+from . import _grad, _prepare
 from ._features import EVERYTHING
 from .triton_chunked_support import chunked_supported
 
@@ -36,6 +40,8 @@ SUPPORTS = dict(
     note=(f"prefill longer than {RECURRENT_MAX_LEN} tokens runs chunked (64-token chunks, "
           "16-token sub-chunks for per-key decay); speculative plans (per-token states) run the "
           "recurrence at any length; the slab is updated in place"),
+    gradients=("token-serial V-tiled Triton reverse kernel (kernels/triton_backward.py, checkpoints "
+               "every 64 tokens), every non-slab call; not yet the chunked (WY) backward"),
 )
 
 
@@ -54,6 +60,8 @@ def available() -> bool:
 def supports(p: Problem) -> str | None:
     if p.device.type != "cuda" and not _interpreting():
         return f"CUDA tensors only (or TRITON_INTERPRET=1), got device {p.device}"
+    if p.requires_grad:
+        return None          # the differentiable recurrence (`_Recurrence`) takes any length
     if p.max_len > RECURRENT_MAX_LEN and not p.plan.speculative:
         reason = chunked_supported(p)
         if reason is not None:
@@ -119,6 +127,10 @@ def token_layout(p: Problem, packed: bool = False) -> Layout:
 def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     from ..kernels.triton_recurrent import recurrent
 
+    if p.requires_grad:
+        x = _grad.differentiable_operands(p)
+        o, S = _Recurrence.apply(p, x.q, x.k, x.v, x.g, x.gk, x.b, x.w, x.S0)
+        return o.view(p.B, p.T, p.Ho, p.V).to(p.v.dtype), _grad.differentiable_state(p, S)
     lay = token_layout(p)
     x = _prepare.raw_operands(p, lay.packing)
     args = (x.q, x.k, x.v, x.g, x.gk, x.b, x.w, p.initial_state, p.scale)
@@ -136,3 +148,55 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         return _prepare.finish(p, lay.packing, o, None)
     # a new state in the caller's layout; finish takes a K-major view
     return _prepare.finish(p, lay.packing, o, S if p.state_layout == "kv" else S.transpose(-1, -2))
+
+
+def _backward_tables(p: Problem):
+    """(seq [N, 3] int64 on the device: first flat token, length, first checkpoint row; first
+    [N + 1] host `triton_backward.checkpoint_rows`), kept with the plan."""
+    from ..kernels import triton_backward
+
+    def build():
+        first = triton_backward.checkpoint_rows([s.length for s in p.spans])
+        seq = torch.tensor([(s.row * p.T + s.start, s.length, int(first[n])) for n, s in enumerate(p.spans)],
+                           dtype=torch.int64).reshape(-1, 3).to(p.device)
+        return seq, first
+    return p.plan.cached(("triton backward", p.device), build)
+
+
+class _Recurrence(torch.autograd.Function):
+    """The recurrence on `_grad.Operands` (float32, API token layout) -> (o [B, T, Hv, G, V]
+    float32, S [N, Hv, K, V] float32). The forward keeps the state at the start of every
+    64-token chunk; the backward recomputes each chunk from it and walks it in reverse
+    (`kernels/triton_backward.py`, token-serial)."""
+
+    @staticmethod
+    def forward(ctx, p, q, k, v, g, gk, b, w, S0):
+        from ..kernels import triton_backward
+
+        seq, first = _backward_tables(p)
+        zero = not p.plan.covered()
+        o, ck, S = triton_backward.forward(q, k, v, g, gk, b, w, S0, p.scale, seq, first, zero)
+        ctx.p = p
+        ctx.save_for_backward(q, k, v, g, gk, b, w, ck)
+        return o, S
+
+    @staticmethod
+    def backward(ctx, do, dS):
+        from ..kernels import triton_backward
+
+        p = ctx.p
+        q, k, v, g, gk, b, w, ck = ctx.saved_tensors
+        need = ctx.needs_input_grad[1:]
+        seq, _ = _backward_tables(p)
+        do = None if do is None else do.float().contiguous()
+        dS = None if dS is None else dS.float().contiguous()
+        dq, dk, dv, dlam, db, dw, dS0 = triton_backward.backward(
+            q, k, v, g, gk, b, w, ck, do, dS, p.scale, seq, p.max_len, not p.plan.covered(), need_dS0=need[7])
+        dq, dk = _grad.head_sums(p, dq, dk)
+        dg = None if g is None else dlam.sum(-1)
+        if b is not None and b.dim() == 3:
+            db = db.sum(-1)
+        if w is not None and w.dim() == 3:
+            dw = dw.sum(-1)
+        grads = (dq, dk, dv, dg, dlam if gk is not None else None, db, dw, dS0)
+        return (None, *(x if n else None for x, n in zip(grads, need)))

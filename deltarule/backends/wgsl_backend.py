@@ -28,6 +28,7 @@ SUPPORTS = dict(
             "are copied to it, a WgslStateSlab stays there",
     note="prefill runs the fused recurrence (no chunked form yet); speculative plans up to "
          "32768 tokens per sequence; not in auto's order",
+    gradients="none (inputs that require grad are declined)",
 )
 
 
@@ -40,6 +41,8 @@ def available() -> bool:
 def supports(p: Problem) -> str | None:
     from ..kernels.wgsl import _device, recurrent
 
+    if p.requires_grad:
+        return "no backward kernel (forward only)"
     gpu = _device.gpu()
     need = recurrent.bindings_needed(p)
     if need > gpu.max_storage_buffers:

@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "when their states outgrow the cache: every implementation cycles through "
                              "copies of the inputs filling twice the last-level cache (default: the same "
                              "inputs every call, cache-resident where they fit)")
+    parser.add_argument("--backward", action="store_true",
+                        help="forward + backward of the prefill cases beside autograd through the peers' "
+                             "torch functions, and the memory the forward keeps for the backward")
     parser.add_argument("--plot", metavar="FILE.png", help="save a bar chart of the times")
     parser.add_argument("--json", metavar="FILE", help="write machine-readable results")
 
@@ -73,6 +76,20 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"deltarule bench: {e}", file=sys.stderr)
         return 2
+    if args.backward:
+        from . import backward
+
+        meta = _meta(args)
+        results = backward.run(cases, args)
+        if not results:
+            print("deltarule bench --backward: no prefill case selected", file=sys.stderr)
+            return 2
+        print(backward.table(results, meta))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "backward": results}, f, indent=2)
+                f.write("\n")
+        return 0
     peer_names = [p.name for p in PEERS]
     meta = _meta(args)
     meta["copy_gb_per_s"] = copy_bandwidth()

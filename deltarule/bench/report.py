@@ -59,7 +59,7 @@ def table(results: list[dict], meta: dict, peers: list[str]) -> str:
         _load_line(meta),
         _copy_line(meta),
         "",
-        *_align([header, *rows]),
+        *align([header, *rows]),
         "",
         FLOP_MODEL,
         BYTES_MODEL,
@@ -134,7 +134,7 @@ class _Footnotes:
         return [f"[{i}] {t}" for i, t in enumerate(self._texts, 1)]
 
 
-def _align(rows: list[list[str]]) -> list[str]:
+def align(rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     left = {0, 1}
     return [

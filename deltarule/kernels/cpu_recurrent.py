@@ -1,4 +1,5 @@
-"""Binding of the native CPU recurrence (`csrc/recurrent.c`, built by `pip install`).
+"""Binding of the native CPU recurrence (`csrc/recurrent.c`) and its reverse mode
+(`csrc/backward.c`), built by `pip install`.
 
 One call runs every (sequence, state head) task on `threads` POSIX threads (the
 caller's and helpers kept between calls); see the C file for the algorithm.
@@ -22,12 +23,15 @@ ABSENT, SCALAR, CHANNEL = 0, 1, 2        # gate forms, as in recurrent.c
 TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # element types, as in recurrent.c
 
 # recurrent.c's `problem`, field by field in native alignment:
-# q k v g gk b w s0 s o spans token_rows owner (pointers);
+# q k v g gk b w s0 s o spans token_rows owner u_out (pointers);
 # N T Hv K V G rq rk token_cols, s0_stride[4], s_stride[4] (int64);
 # b_form w_form qk_type v_type gk_type b_type w_type s0_type s_type stream_state qk_l2norm (int);
 # l2norm_eps scale (float)
-_PROBLEM = struct.Struct("@13P17q11i2f")
+_PROBLEM = struct.Struct("@14P17q11i2f")
 _NO_STRIDES = (0, 0, 0, 0)
+# backward.c's `bproblem`: q k v u g gk b w ck ds dout spans dq dk dv dlam db dw ds0 (pointers);
+# N T Hv K V G rq rk chunk (int64); b_form w_form (int); scale (float)
+_BACKWARD = struct.Struct("@19P9q2if")
 
 
 def _load():
@@ -38,8 +42,12 @@ def _load():
     lib.deltarule_recurrent.argtypes = [ctypes.c_char_p, ctypes.c_int]
     lib.deltarule_recurrent.restype = ctypes.c_int
     lib.deltarule_problem_size.restype = ctypes.c_size_t
-    if lib.deltarule_problem_size() != struct.calcsize(_PROBLEM.format + "0q"):
-        raise ImportError("deltarule cpu kernel: the binding's problem layout does not match recurrent.c "
+    lib.deltarule_backward.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    lib.deltarule_backward.restype = ctypes.c_int
+    lib.deltarule_backward_problem_size.restype = ctypes.c_size_t
+    if (lib.deltarule_problem_size() != struct.calcsize(_PROBLEM.format + "0q")
+            or lib.deltarule_backward_problem_size() != struct.calcsize(_BACKWARD.format + "0q")):
+        raise ImportError("deltarule cpu kernel: the binding's problem layout does not match the C files "
                           "(rebuild: pip install --no-build-isolation -e .)")
     return lib
 
@@ -52,7 +60,7 @@ def available() -> bool:
 
 
 def recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, token_rows, owner, scale: float,
-              l2norm_eps: float | None, stream_state: bool, threads: int) -> None:
+              l2norm_eps: float | None, stream_state: bool, threads: int, u_out=None) -> None:
     """Runs the recurrence; writes o and the states that spans and token_rows name.
 
     q [B, T, Hq', G, K], k [B, T, Hk, K] contiguous, one dtype of TYPES;
@@ -80,7 +88,9 @@ def recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, token_rows, owner, scale: f
     stream_state: write the final states with streaming stores (past the caches; for a
     fresh state, never for a slab in place); token rows always go past the caches where
     they are 64-byte aligned, except into the row the sequence reads;
-    threads: threads to use, the caller's included (at most one per (sequence, head)).
+    threads: threads to use, the caller's included (at most one per (sequence, head));
+    u_out: None | [B, T, Hv, V] float32 contiguous: receives u = w*v - S'^T (b*k) of every
+    token the spans run (what `backward` recomputes the states from).
     """
     B, T, Hv, V = v.shape
     s0_type = 0
@@ -94,7 +104,7 @@ def recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, token_rows, owner, scale: f
         rows, cols = token_rows.data_ptr(), token_rows.shape[1]
     packed = _PROBLEM.pack(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(g), _ptr(gk), _ptr(b), _ptr(w), s0, S.data_ptr(),
-        o.data_ptr(), spans.data_ptr(), rows, _ptr(owner),
+        o.data_ptr(), spans.data_ptr(), rows, _ptr(owner), _ptr(u_out),
         spans.shape[0], T, Hv, k.shape[3], V, q.shape[3], Hv // q.shape[2], Hv // k.shape[2], cols,
         *s0_stride, *S.stride(),
         _form(b), _form(w), TYPES[q.dtype], TYPES[v.dtype], _type(gk), _type(b), _type(w), s0_type,
@@ -102,6 +112,34 @@ def recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, token_rows, owner, scale: f
         0.0 if l2norm_eps is None else l2norm_eps, scale)
     if _LIB.deltarule_recurrent(packed, threads):
         raise MemoryError("deltarule cpu kernel: no memory for a thread's tile buffer")
+
+
+def backward(q, k, v, u, g, gk, b, w, ck, ds, do, spans, dq, dk, dv, dlam, db, dw, ds0, scale: float,
+             chunk: int, threads: int) -> None:
+    """The reverse mode of `recurrent`: writes the gradients of every span's tokens.
+
+    Every tensor float32 and contiguous. q, k, v, g, gk, b, w as for `recurrent` (b and w
+    in their scalar or per-channel form; the preprocessing already applied); u [B, T, Hv, V]
+    the forward's `u_out`;
+    ck [R, Hv, K, V]: the state at the start of each chunk of `chunk` tokens, sequence n's
+    chunk c in row spans[n, 3] + c; ds None | [N, Hv, K, V] the final states' gradient;
+    do [B, T, Hv, G, V] the output's gradient (tokens a sequence does not own: zero);
+    spans [N, 4] int64 contiguous: (batch row, start, end, first checkpoint row), spans
+    not overlapping. Outputs, per state head, written for every token of a span (the
+    rest is left as it is): dq None | [B, T, Hv, G, K]; dk [B, T, Hv, K]; dv [B, T, Hv, V];
+    dlam [B, T, Hv, K] with g or gk (the gradient of their sum), else None; db
+    [B, T, Hv, K] with b, dw [B, T, Hv, V] with w, else None; ds0 None | [N, Hv, K, V]
+    (written for every sequence).
+    """
+    B, T, Hv, V = v.shape
+    packed = _BACKWARD.pack(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), u.data_ptr(), _ptr(g), _ptr(gk), _ptr(b), _ptr(w), ck.data_ptr(),
+        _ptr(ds),
+        do.data_ptr(), spans.data_ptr(), _ptr(dq), dk.data_ptr(), dv.data_ptr(), _ptr(dlam), _ptr(db), _ptr(dw),
+        _ptr(ds0), spans.shape[0], T, Hv, k.shape[3], V, q.shape[3], Hv // q.shape[2], Hv // k.shape[2], chunk,
+        _form(b), _form(w), scale)
+    if _LIB.deltarule_backward(packed, threads):
+        raise MemoryError("deltarule cpu kernel: no memory for a backward thread's scratch")
 
 
 def _ptr(t: torch.Tensor | None) -> int:

@@ -26,14 +26,15 @@ def recurrent(q, k, v, lam, b, w, S, scale: float, keep_states: bool = False):
         lam: None | [N, L, H] | [N, L, H, K] log decay.
         b: None | [N, L, H] | [N, L, H, K] erase gate; w: None | [N, L, H] |
             [N, L, H, V] write gate (both None for the rules without retrieval).
-        S: [N, H, K, V] float32 initial state (not modified).
+        S: [N, H, K, V] float32 initial state (not modified); the steps run in its
+            dtype (float64 for gradcheck).
         keep_states: also return the state after every step (speculative decoding).
 
     Returns:
-        o [N, L, H, G, V] float32, the final state [N, H, K, V], and with
+        o [N, L, H, G, V] in S's dtype, the final state [N, H, K, V], and with
         `keep_states` the states after each step [N, L, H, K, V] (else None).
     """
-    q, k, v = q.float(), k.float(), v.float()
+    q, k, v = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype)
     N, L, Hk, K = k.shape
     H, V = v.shape[2], v.shape[3]
     G = q.shape[3]

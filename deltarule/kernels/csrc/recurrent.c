@@ -310,6 +310,8 @@ typedef struct {
     const int64_t *token_rows;       /* NULL or [N, token_cols]: the row of s that takes the state after
                                         each token of a sequence (-1: none) */
     const int32_t *owner;            /* NULL, or [B*T]: the span whose output a token keeps (-1: none) */
+    float *u_out;                    /* NULL, or [B, T, Hv, V] float32: every token's u = w*v - r, kept by
+                                        a differentiable forward for the backward's recompute */
     int64_t N, T, Hv, K, V, G, rq, rk, token_cols;
     int64_t s0_stride[4], s_stride[4];   /* in elements: row, head, key, value */
     int b_form, w_form;
@@ -699,6 +701,9 @@ __attribute__((noinline)) static void run_block(const problem *P, const scratch 
     for (int64_t s = 0; s < len; s++) {
         vf u[NV];
         UNROLL for (int l = 0; l < NV; l++) u[l] = ((const vf *)(W->vw + s * TILE))[l] - r[l];
+        if (P->u_out)
+            memcpy(P->u_out + ((bt0 + s) * P->Hv + h) * P->V + j0, u,
+                   sizeof(float) * (P->V - j0 < TILE ? P->V - j0 : TILE));
         write_outputs(P, W, S, n, bt0 + s, s, h, j0, p0, u);
         const float *kc = W->kc + s * K, *cd = W->cd + s * K;
         if (s + 1 < len && W->lazy[s])
@@ -804,6 +809,8 @@ INLINE void step_as(const problem *P, const scratch *W, int64_t n, int64_t bt, i
     load_wv(P, th, 0, V, u);
     for (int64_t j = 0; j < V; j++)
         u[j] -= r[j];
+    if (P->u_out)
+        memcpy(P->u_out + th * V, u, sizeof(float) * V);
     if (P->owner == NULL || P->owner[bt] == n)
         for (int64_t g = 0; g < G; g++) {
             const float kq = W->kq[g];
