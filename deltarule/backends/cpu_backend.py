@@ -10,6 +10,10 @@ layout: no packing of varlen sequences, no gather or scatter of slab rows, no
 transpose of a "vk" state. The backend turns the call's `BatchPlan` into the
 kernel's span, token-row and owner tables once per plan. CPU tensors only;
 needs the compiled kernel that `pip install` builds.
+
+Gradients: a call whose inputs require grad runs `_Recurrence`, whose forward is
+the same kernel keeping chunk-start states and every token's u, and whose
+backward is the native reverse kernel (`kernels/csrc/backward.c`).
 """
 
 from __future__ import annotations
@@ -174,10 +178,10 @@ def _threads(p: Problem, steps: int) -> int:
 
 class _Recurrence(torch.autograd.Function):
     """The recurrence on `_grad.Operands` (float32, API token layout) -> (o [B, T, Hv, G, V]
-    float32, S [N, Hv, K, V] float32). The forward runs the kernel one chunk of CHECKPOINT
-    tokens at a time, keeping each chunk's starting state and every token's u = w*v - r
-    (so the backward recomputes a chunk's states without the retrieval); the backward
-    runs backward.c."""
+    float32, S [N, Hv, K, V] float32). The forward runs the kernel once, keeping the state
+    at the start of every chunk of CHECKPOINT tokens and every token's u = w*v - r (so the
+    backward recomputes a chunk's states without the retrieval); the backward runs
+    backward.c."""
 
     @staticmethod
     def forward(ctx, p, q, k, v, g, gk, b, w, S0):
@@ -190,10 +194,9 @@ class _Recurrence(torch.autograd.Function):
                    pool_from=GRAD_POOL_MIN_BYTES)
         u = _empty((p.B, p.T, p.Hv, p.V), torch.float32, pool_from=GRAD_POOL_MIN_BYTES)
         _, _, owner = _tables(p)
-        for chunk in spans:
-            cpu_recurrent.recurrent(q, k, v, g, gk, b, w, ck, ck, o, spans=chunk, token_rows=None, owner=owner,
-                                    scale=p.scale, l2norm_eps=None, stream_state=False,
-                                    threads=_threads(p, p.N * CHECKPOINT), u_out=u)
+        cpu_recurrent.recurrent(q, k, v, g, gk, b, w, ck, ck, o, spans=spans, token_rows=None, owner=owner,
+                                scale=p.scale, l2norm_eps=None, stream_state=False,
+                                threads=_threads(p, p.plan.steps), u_out=u, checkpoint=CHECKPOINT)
         lengths = torch.tensor([-(-s.length // CHECKPOINT) for s in p.spans], dtype=torch.int64)
         S = ck.index_select(0, rows + lengths)
         ctx.p = p
@@ -225,20 +228,18 @@ class _Recurrence(torch.autograd.Function):
 
 
 def _checkpoint_tables(p: Problem):
-    """(spans: one [N, 5] kernel span table per chunk of CHECKPOINT tokens, first: [N + 1]
-    int64, sequence n's chunk-start states in rows first[n] .. first[n] + its chunks of
-    the checkpoint buffer, first[N] its size), kept with the plan."""
+    """(spans [N, 5] for the kernel, first [N + 1] int64), kept with the plan: sequence n's
+    chunk-start states lie in rows first[n] .. first[n] + its chunks of CHECKPOINT tokens of
+    the checkpoint buffer (the last its final state), first[N] the buffer's size; its span
+    reads row first[n] and writes the final row (an empty sequence: nothing, its final state
+    is its start)."""
     def build():
         chunks = [-(-s.length // CHECKPOINT) for s in p.spans]
         first = np.zeros(p.N + 1, dtype=np.int64)
         first[1:] = np.cumsum(np.array(chunks, dtype=np.int64) + 1)
-        tables = []
-        for c in range(max(chunks, default=0)):
-            t = np.array([(s.row, s.start + c * CHECKPOINT, min(s.start + (c + 1) * CHECKPOINT, s.end),
-                           first[n] + c, first[n] + c + 1) if c < chunks[n] else (s.row, s.start, s.start, -1, -1)
-                          for n, s in enumerate(p.spans)], dtype=np.int64)
-            tables.append(torch.from_numpy(t.reshape(-1, 5)))
-        return tables, first
+        spans = np.array([(s.row, s.start, s.end, first[n], first[n] + chunks[n]) if chunks[n]
+                          else (s.row, s.start, s.start, -1, -1) for n, s in enumerate(p.spans)], dtype=np.int64)
+        return torch.from_numpy(spans.reshape(-1, 5)), first
     return p.plan.cached(("cpu checkpoints", CHECKPOINT), build)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import recurrent_backward
+from ..kernels import chunked_backward, recurrent_backward
 from ..kernels.chunked import chunked
 from ..kernels.recurrent import recurrent
 from ..problem import Problem
@@ -16,8 +16,9 @@ DESCRIPTION = "chunked (WY/UT) prefill + recurrent decode in torch ops"
 SUPPORTS = dict(EVERYTHING, devices="any torch device",
                 note="speculative plans (per-token states) run token by token; the slab is gathered and "
                      "scattered (not in place)",
-                gradients="token-serial reverse walk in torch ops (kernels/recurrent_backward.py), "
-                          "every non-slab call, any device")
+                gradients="chunked (WY) backward in torch ops for sequences over RECURRENT_MAX_LEN tokens "
+                          "(kernels/chunked_backward.py), the token-serial reverse walk for shorter ones "
+                          "(kernels/recurrent_backward.py); every non-slab call, any device")
 # Sequences up to this many tokens run token by token: below it the chunked
 # form's intra-chunk work costs more than it saves (crossover between T = 16
 # and 32 on the 16-head K = V = 128 layer on CPU, docs/performance.md). A
@@ -51,8 +52,10 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Recurrence(torch.autograd.Function):
     """`recurrent`'s contract with gradients: the forward keeps the chunk-start states
-    (`recurrent_backward.checkpointed`), the backward walks them in reverse
-    (`recurrent_backward.backward`). Operands in float32, or all float64 (gradcheck)."""
+    (`recurrent_backward.checkpointed`); the backward runs chunk by chunk in matrix products
+    (`chunked_backward.backward`) when the sequence is longer than RECURRENT_MAX_LEN, else
+    walks the tokens in reverse (`recurrent_backward.backward`). Operands in float32, or all
+    float64 (gradcheck)."""
 
     @staticmethod
     def forward(ctx, scale, chunk_size, q, k, v, lam, b, w, S0):
@@ -68,6 +71,6 @@ class Recurrence(torch.autograd.Function):
         if do is None:
             N, L, H, G, V = *k.shape[:2], v.shape[2], q.shape[3], v.shape[3]
             do = starts.new_zeros(N, L, H, G, V)
-        grads = recurrent_backward.backward(q, k, v, lam, b, w, starts, ctx.scale, do, dS,
-                                            needs=ctx.needs_input_grad[2:])
+        walk = chunked_backward if k.shape[1] > RECURRENT_MAX_LEN else recurrent_backward
+        grads = walk.backward(q, k, v, lam, b, w, starts, ctx.scale, do, dS, needs=ctx.needs_input_grad[2:])
         return (None, None, *grads)

@@ -24,10 +24,10 @@ TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # element type
 
 # recurrent.c's `problem`, field by field in native alignment:
 # q k v g gk b w s0 s o spans token_rows owner u_out (pointers);
-# N T Hv K V G rq rk token_cols, s0_stride[4], s_stride[4] (int64);
+# N T Hv K V G rq rk token_cols checkpoint, s0_stride[4], s_stride[4] (int64);
 # b_form w_form qk_type v_type gk_type b_type w_type s0_type s_type stream_state qk_l2norm (int);
 # l2norm_eps scale (float)
-_PROBLEM = struct.Struct("@14P17q11i2f")
+_PROBLEM = struct.Struct("@14P18q11i2f")
 _NO_STRIDES = (0, 0, 0, 0)
 # backward.c's `bproblem`: q k v u g gk b w ck ds dout spans dq dk dv dlam db dw ds0 (pointers);
 # N T Hv K V G rq rk chunk (int64); b_form w_form (int); scale (float)
@@ -60,7 +60,8 @@ def available() -> bool:
 
 
 def recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, token_rows, owner, scale: float,
-              l2norm_eps: float | None, stream_state: bool, threads: int, u_out=None) -> None:
+              l2norm_eps: float | None, stream_state: bool, threads: int, u_out=None,
+              checkpoint: int = 0) -> None:
     """Runs the recurrence; writes o and the states that spans and token_rows name.
 
     q [B, T, Hq', G, K], k [B, T, Hk, K] contiguous, one dtype of TYPES;
@@ -90,7 +91,10 @@ def recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, token_rows, owner, scale: f
     they are 64-byte aligned, except into the row the sequence reads;
     threads: threads to use, the caller's included (at most one per (sequence, head));
     u_out: None | [B, T, Hv, V] float32 contiguous: receives u = w*v - S'^T (b*k) of every
-    token the spans run (what `backward` recomputes the states from).
+    token the spans run (what `backward` recomputes the states from);
+    checkpoint: 0, or a multiple of 16: a span of more than one token also stores its state
+    after every `checkpoint` tokens but its last into rows read + 1, read + 2, ... of S
+    (a differentiable forward's chunk starts, S being S0; `backward`'s `ck`).
     """
     B, T, Hv, V = v.shape
     s0_type = 0
@@ -105,7 +109,7 @@ def recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, token_rows, owner, scale: f
     packed = _PROBLEM.pack(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(g), _ptr(gk), _ptr(b), _ptr(w), s0, S.data_ptr(),
         o.data_ptr(), spans.data_ptr(), rows, _ptr(owner), _ptr(u_out),
-        spans.shape[0], T, Hv, k.shape[3], V, q.shape[3], Hv // q.shape[2], Hv // k.shape[2], cols,
+        spans.shape[0], T, Hv, k.shape[3], V, q.shape[3], Hv // q.shape[2], Hv // k.shape[2], cols, checkpoint,
         *s0_stride, *S.stride(),
         _form(b), _form(w), TYPES[q.dtype], TYPES[v.dtype], _type(gk), _type(b), _type(w), s0_type,
         TYPES[S.dtype], bool(stream_state), l2norm_eps is not None,

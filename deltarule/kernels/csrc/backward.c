@@ -40,6 +40,7 @@
 #define VEC 8
 #endif
 #define INLINE static inline __attribute__((always_inline))
+#define LAZY_FLOOR 0x1p-30f         /* the lazy scale of dS stays within [LAZY_FLOOR, 1 / LAZY_FLOOR] */
 
 typedef float vf __attribute__((vector_size(4 * VEC), aligned(4 * VEC)));
 
@@ -158,9 +159,15 @@ static void recompute(const bproblem *P, const scratch *W, int64_t len, int64_t 
 /* One sweep over the rows of X = st[j] (the state after chunk token j - 1), doing
  * the second half of token a = j's reverse step (X is its S_prev; du = du_a complete)
  * and the first half of token b = j - 1's (X is its S; dun = du_b accumulates), as
- * flagged. Each row of dS is loaded and stored once. */
+ * flagged. Each row of dS is loaded and stored once.
+ *
+ * dS is held as *scale times the scratch (`lazy`): a scalar decay multiplies the scale,
+ * not every element, until the scale would leave [LAZY_FLOOR, 1 / LAZY_FLOOR] (or the
+ * decay is 0 or NaN); then the sweep multiplies (mul) and the scale restarts at 1. A
+ * per-key decay always multiplies (the scale stays 1). */
 INLINE void sweep(const bproblem *P, const scratch *W, int64_t j, int64_t bt_a, int64_t bt_b, int64_t h,
-                  int64_t Vp, int second_half, int first_half, int decays, int retrieves, int G1)
+                  int64_t Vp, float *scale, int second_half, int first_half, int decays, int mul, int retrieves,
+                  int G1)
 {
     const int64_t K = P->K, G = G1 ? 1 : P->G, nv = Vp / VEC, Hv = P->Hv;
     const int64_t ta = bt_a * Hv + h, tb = bt_b * Hv + h;
@@ -173,14 +180,21 @@ INLINE void sweep(const bproblem *P, const scratch *W, int64_t j, int64_t bt_a, 
     const float *kb = W->kk + (j - 1) * K;
     const int want_dq = P->dq != NULL, scalar_b = P->b_form == 1, scalar_lam = P->gk == NULL;
     const float sc = P->scale;
+    /* cs: dS's scale entering the sweep; cn: after its second half; f: the factor a multiplying
+     * sweep applies (the per-key decay's own d_i where f_row is NULL) */
+    const float cs = *scale, f = scalar_lam && decays && second_half ? cs * da[0] : 1.0f;
+    const float cn = !second_half || !decays ? cs : mul ? 1.0f : f;
+    const float *f_row = scalar_lam ? NULL : da;
+    *scale = cn;
     vf *accp = W->acc, *accm = accp + K, *acck = accm + K, *accq = acck + K;
     for (int64_t i = 0; i < K; i++) {
         const vf *restrict Xi = X + i * nv;
         vf *restrict dSi = dS + i * nv;
         vf p0 = splat(0.0f), m0 = p0, k0 = p0, q0 = p0;
-        const vf dai = splat(second_half ? da[i] : 1.0f), bkai = splat(second_half ? bka[i] : 0.0f);
-        const vf kbi = splat(first_half ? kb[i] : 0.0f);
-        const vf sq0 = splat(first_half ? sc * W->qq[i] : 0.0f);
+        const vf dai = splat(second_half ? (f_row ? f_row[i] : f) : 1.0f);
+        const vf bkai = splat(second_half ? bka[i] / cs : 0.0f);
+        const vf kbi = splat(first_half ? kb[i] * cn : 0.0f);
+        const vf sq0 = splat(first_half ? sc * W->qq[i] / cn : 0.0f);
 #define BODY(l, P_, M_, K_, Q_)                                                  \
         {                                                                         \
             const vf xs = Xi[l];                                                  \
@@ -190,10 +204,10 @@ INLINE void sweep(const bproblem *P, const scratch *W, int64_t j, int64_t bt_a, 
                     x -= bkai * du[l];                                            \
                     P_ += xs * du[l];                                             \
                 }                                                                 \
-                if (decays) {                                                     \
+                if (decays)                                                       \
                     M_ += x * xs;                                                 \
+                if (mul)                                                          \
                     x *= dai;                                                     \
-                }                                                                 \
             }                                                                     \
             if (first_half) {                                                     \
                 if (G1) {                  /* dq's sum even when not wanted: no branch */ \
@@ -201,7 +215,7 @@ INLINE void sweep(const bproblem *P, const scratch *W, int64_t j, int64_t bt_a, 
                     Q_ += xs * dov[l];                                            \
                 } else                                                            \
                     for (int64_t g = 0; g < G; g++)                               \
-                        x += splat(sc * W->qq[g * K + i]) * dov[g * nv + l];      \
+                        x += splat(sc * W->qq[g * K + i] / cn) * dov[g * nv + l]; \
                 dun[l] += kbi * x;                                                \
                 K_ += x * ub[l];                                                  \
             }                                                                     \
@@ -243,15 +257,18 @@ INLINE void sweep(const bproblem *P, const scratch *W, int64_t j, int64_t bt_a, 
             row_sums(accm, K, mr);
             if (scalar_lam) {
                 for (int64_t i = 0; i < K; i++)
-                    lam_sum += da[i] * mr[i];
-                P->dlam[ta] = lam_sum;
+                    lam_sum += mr[i];
+                P->dlam[ta] = da[0] * cs * lam_sum;
             } else
                 for (int64_t i = 0; i < K; i++)
-                    P->dlam[ta * K + i] = da[i] * mr[i];
+                    P->dlam[ta * K + i] = da[i] * cs * mr[i];
         }
     }
     if (first_half) {
         row_sums(acck, K, P->dk + tb * K);
+        if (cn != 1.0f)
+            for (int64_t i = 0; i < K; i++)
+                P->dk[tb * K + i] *= cn;
         if (want_dq && G1) {
             row_sums(accq, K, qr);
             for (int64_t i = 0; i < K; i++)
@@ -290,16 +307,43 @@ static void finish_token(const bproblem *P, scratch *W, int64_t j, int64_t bt, i
     W->dun = t;
 }
 
+/* One function per specialisation of `sweep` (each its own register allocation: inlined
+ * together into the task, the hot loop spilled its counters) */
+#define VARIANT(name, s2, f1, dec, mul, ret)                                                            \
+    __attribute__((noinline)) static void name(const bproblem *P, const scratch *W, int64_t j, int64_t a,  \
+                                               int64_t b, int64_t h, int64_t Vp, float *scale, int G1)   \
+    {                                                                                                   \
+        if (G1)                                                                                         \
+            sweep(P, W, j, a, b, h, Vp, scale, s2, f1, dec, mul, ret, 1);                               \
+        else                                                                                            \
+            sweep(P, W, j, a, b, h, Vp, scale, s2, f1, dec, mul, ret, 0);                               \
+    }
+#define VARIANTS(s2, f1)                                                                                \
+    VARIANT(sweep_##s2##f1##_dmr, s2, f1, 1, 1, 1) VARIANT(sweep_##s2##f1##_dr, s2, f1, 1, 0, 1)         \
+    VARIANT(sweep_##s2##f1##_dm, s2, f1, 1, 1, 0) VARIANT(sweep_##s2##f1##_d, s2, f1, 1, 0, 0)           \
+    VARIANT(sweep_##s2##f1##_r, s2, f1, 0, 0, 1) VARIANT(sweep_##s2##f1##_, s2, f1, 0, 0, 0)
+VARIANTS(0, 1)
+VARIANTS(1, 1)
+VARIANTS(1, 0)
+
+/* the sweep for the call's gates; with a scalar decay, `mul` when the lazy scale of dS must
+ * be applied now (a per-key decay always applies) */
 #define SWEEP(s2, f1)                                                                                   \
     do {                                                                                                \
-        if (G1) {                                                                                       \
-            if (decays && retrieves) sweep(P, W, j, bt_a, bt_b, h, Vp, s2, f1, 1, 1, 1);                \
-            else if (decays) sweep(P, W, j, bt_a, bt_b, h, Vp, s2, f1, 1, 0, 1);                        \
-            else if (retrieves) sweep(P, W, j, bt_a, bt_b, h, Vp, s2, f1, 0, 1, 1);                     \
-            else sweep(P, W, j, bt_a, bt_b, h, Vp, s2, f1, 0, 0, 1);                                    \
-        } else                                                                                          \
-            sweep(P, W, j, bt_a, bt_b, h, Vp, s2, f1, decays, retrieves, 0);                            \
+        const int mul = decays && (s2) && (!lazy || restart(scale, W->dd[j * K]));                      \
+        void (*fn)(const bproblem *, const scratch *, int64_t, int64_t, int64_t, int64_t, int64_t,      \
+                   float *, int) = decays ? (retrieves ? (mul ? sweep_##s2##f1##_dmr : sweep_##s2##f1##_dr)  \
+                                                       : (mul ? sweep_##s2##f1##_dm : sweep_##s2##f1##_d)) \
+                                          : (retrieves ? sweep_##s2##f1##_r : sweep_##s2##f1##_);       \
+        fn(P, W, j, bt_a, bt_b, h, Vp, &scale, G1);                                                     \
     } while (0)
+
+/* the lazy scale times the decay d leaves the safe range (or is 0, or NaN): apply it now */
+static inline int restart(float scale, float d)
+{
+    const float next = scale * d;
+    return !(next >= LAZY_FLOOR && next <= 1.0f / LAZY_FLOOR);
+}
 
 static void run_task(const bproblem *P, scratch *W, int64_t n, int64_t h, int64_t Vp)
 {
@@ -307,6 +351,8 @@ static void run_task(const bproblem *P, scratch *W, int64_t n, int64_t h, int64_
     const int64_t row = P->spans[4 * n], start = P->spans[4 * n + 1], end = P->spans[4 * n + 2];
     const int64_t ck0 = P->spans[4 * n + 3];
     const int decays = P->dlam != NULL, retrieves = P->b_form != 0, G1 = P->G == 1;
+    const int lazy = decays && P->gk == NULL;     /* a scalar decay: dS = scale * scratch */
+    float scale = 1.0f;
     for (int64_t i = 0; i < K; i++)
         if (P->ds)
             pad_copy(W->ds + i * Vp, P->ds + ((n * Hv + h) * K + i) * V, V, Vp);
@@ -342,7 +388,8 @@ static void run_task(const bproblem *P, scratch *W, int64_t n, int64_t h, int64_
     }
     if (P->ds0)
         for (int64_t i = 0; i < K; i++)
-            memcpy(P->ds0 + ((n * Hv + h) * K + i) * V, W->ds + i * Vp, sizeof(float) * V);
+            for (int64_t c = 0; c < V; c++)
+                P->ds0[((n * Hv + h) * K + i) * V + c] = scale * W->ds[i * Vp + c];
 }
 
 typedef struct {

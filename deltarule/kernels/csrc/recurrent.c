@@ -313,6 +313,10 @@ typedef struct {
     float *u_out;                    /* NULL, or [B, T, Hv, V] float32: every token's u = w*v - r, kept by
                                         a differentiable forward for the backward's recompute */
     int64_t N, T, Hv, K, V, G, rq, rk, token_cols;
+    int64_t checkpoint;              /* 0, or a multiple of TB: the tile path also stores the state after
+                                        every `checkpoint` tokens of a span but its last into row
+                                        read + 1, read + 2, ... of s (a differentiable forward's chunk
+                                        starts; the final row follows them) */
     int64_t s0_stride[4], s_stride[4];   /* in elements: row, head, key, value */
     int b_form, w_form;
     int qk_type, v_type, gk_type, b_type, w_type, s0_type, s_type;
@@ -922,10 +926,13 @@ static void run_task(const problem *P, const scratch *W, int64_t n, int64_t h, c
     for (int64_t i = 0; i < K; i++)
         W->c[i] = 1.0f;
     for (int64_t t = start; t < end; t += TB) {
-        const int64_t len = end - t < TB ? end - t : TB;
+        const int64_t len = end - t < TB ? end - t : TB, done = t + len - start;
         key_side(P, W, row * T + t, h, len);
         for (int64_t x = 0; x < tiles; x++)
             run_block(P, W, (vf *)(W->tiles + x * K * TILE), n, row * T + t, t - start, h, x * TILE, len);
+        if (P->checkpoint && done % P->checkpoint == 0 && t + len < end)
+            for (int64_t x = 0; x < tiles; x++)
+                store_tile(P, W->tiles + x * K * TILE, W->c, in + done / P->checkpoint, h, x * TILE, 0);
     }
     if (out >= 0)
         for (int64_t x = 0; x < tiles; x++)
