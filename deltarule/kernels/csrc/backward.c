@@ -34,11 +34,15 @@
 #include <immintrin.h>
 #endif
 
+/* floats per vector: as recurrent.c chooses (-DDELTARULE_VEC=16 or 8 overrides) */
+#ifndef DELTARULE_VEC
 #if defined(__AVX512F__)
-#define VEC 16
+#define DELTARULE_VEC 16
 #else
-#define VEC 8
+#define DELTARULE_VEC 8
 #endif
+#endif
+#define VEC DELTARULE_VEC
 #define INLINE static inline __attribute__((always_inline))
 #define LAZY_FLOOR 0x1p-30f         /* the lazy scale of dS stays within [LAZY_FLOOR, 1 / LAZY_FLOOR] */
 
