@@ -16,7 +16,7 @@ DESCRIPTION = "chunked (WY/UT) prefill + recurrent decode in torch ops"
 SUPPORTS = dict(EVERYTHING, devices="any torch device",
                 note="speculative plans (per-token states) run token by token; the slab is gathered and "
                      "scattered (not in place)",
-                gradients="chunked (WY) backward in torch ops for sequences over RECURRENT_MAX_LEN tokens "
+                gradients="chunked (WY) backward in torch ops for sequences over 16 tokens "
                           "(kernels/chunked_backward.py), the token-serial reverse walk for shorter ones "
                           "(kernels/recurrent_backward.py); every non-slab call, any device")
 # Sequences up to this many tokens run token by token: below it the chunked
