@@ -34,19 +34,7 @@
 #include <immintrin.h>
 #endif
 
-/* floats per vector: as recurrent.c chooses (-DDELTARULE_VEC=16 or 8 overrides) */
-#ifndef DELTARULE_VEC
-#if defined(__AVX512F__)
-#define DELTARULE_VEC 16
-#else
-#define DELTARULE_VEC 8
-#endif
-#endif
-#define VEC DELTARULE_VEC
-#define INLINE static inline __attribute__((always_inline))
-#define LAZY_FLOOR 0x1p-30f         /* the lazy scale of dS stays within [LAZY_FLOOR, 1 / LAZY_FLOOR] */
-
-typedef float vf __attribute__((vector_size(4 * VEC), aligned(4 * VEC)));
+#include "vector.h"
 
 typedef struct {
     const float *q, *k, *v;          /* [B, T, Hv/rq, G, K], [B, T, Hv/rk, K], [B, T, Hv, V] */
@@ -86,13 +74,6 @@ static inline float hsum(vf x)
         s += x[l];
     return s;
 }
-
-/* (an initialiser: GCC builds a loop's splat from inserts, not one broadcast) */
-#if VEC == 16
-static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-#else
-static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
-#endif
 
 /* out[i] = the sum of acc[i]'s lanes for i < K; eight rows at a time by a transposing
  * reduction where AVX has one (a row's own horizontal sum costs as much as eight of these) */

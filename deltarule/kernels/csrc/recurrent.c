@@ -70,39 +70,22 @@
 #include <immintrin.h>
 #endif
 
-#ifndef DELTARULE_VEC
-#if defined(__AVX512F__)
-#define DELTARULE_VEC 16
-#else
-#define DELTARULE_VEC 8
-#endif
-#endif
-#define VEC DELTARULE_VEC            /* floats per vector */
+#include "vector.h"
+
 #if VEC == 16
 #define SUMS 2                       /* partial sums of r and p: 4 u + 16 sums + 6 broadcasts + 2 rows of 32 zmm */
-#elif VEC == 8
-#define SUMS 1                       /* 4 u + 8 sums + 3 broadcasts + 1 row = the 16 ymm registers */
 #else
-#error "DELTARULE_VEC must be 8 or 16"
+#define SUMS 1                       /* 4 u + 8 sums + 3 broadcasts + 1 row = the 16 ymm registers */
 #endif
 #define NV 4                         /* vectors per tile row */
 #define TILE (VEC * NV)              /* value columns per tile */
 #define TB 16                        /* tokens per block */
-#define LAZY_FLOOR 0x1p-30f
 #define UNROLL _Pragma("GCC unroll 8")
-#define INLINE static inline __attribute__((always_inline))
 
-typedef float vf __attribute__((vector_size(4 * VEC), aligned(4 * VEC)));
 typedef int32_t vi __attribute__((vector_size(4 * VEC)));
 typedef uint32_t vu __attribute__((vector_size(4 * VEC)));
 typedef uint16_t vh __attribute__((vector_size(2 * VEC), aligned(2)));
 
-/* (an initialiser: GCC 12 builds a loop's splat from inserts, not one broadcast) */
-#if VEC == 16
-static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-#else
-static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
-#endif
 
 /* Gate forms: 0 absent, 1 scalar per (token, head), 2 per channel. */
 enum { ABSENT = 0, SCALAR = 1, CHANNEL = 2 };
