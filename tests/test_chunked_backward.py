@@ -198,33 +198,34 @@ FORMS = ["g-beta", "gk-beta", "gk-erase_write", "g-erase_write", "none-beta", "n
 HEADS = {"H": dict(), "GVA": dict(H=4, Hk=2, Hq1=2), "GQA": dict(H=2, Hk=1, Hq1=2, G=2)}
 
 
-@pytest.mark.parametrize("L", [1, 63, 65, 130], ids=lambda L: f"T{L}")
-@pytest.mark.parametrize("form", FORMS)
-def test_backward_matches_the_token_walk(form, L):
-    x = operands(form, L=L, reset=40 if L > 40 else None)
+def assert_matches_the_walk(x):
+    """The chunked backward of operands x equals the token walk's (every gradient, the same
+    Nones); returns the chunked gradients."""
     o, S, starts = forward_states(x)
     do, dS = upstream(o, S)
     ref = rb.backward(*x[:6], starts, SCALE, do, dS, [True] * 7)
     got = cb.backward(*x[:6], starts, SCALE, do, dS, [True] * 7)
-    names = "dq dk dv dlam db dw dS0".split()
     assert [t is None for t in got] == [t is None for t in ref]
-    if L > 40 and x[3] is not None:                           # the reset's decay gets no gradient
-        assert torch.count_nonzero(got[3][:, 40]) == 0
+    names = "dq dk dv dlam db dw dS0".split()
     assert_close({n: t for n, t in zip(names, got) if t is not None},
                  {n: t for n, t in zip(names, ref) if t is not None})
+    return got
+
+
+@pytest.mark.parametrize("L", [1, 63, 65, 130], ids=lambda L: f"T{L}")
+@pytest.mark.parametrize("form", FORMS)
+def test_backward_matches_the_token_walk(form, L):
+    x = operands(form, L=L, reset=40 if L > 40 else None)
+    got = assert_matches_the_walk(x)
+    if L > 40 and x[3] is not None:                           # the reset's decay gets no gradient
+        assert torch.count_nonzero(got[3][:, 40]) == 0
 
 
 @pytest.mark.parametrize("heads", list(HEADS), ids=str)
 @pytest.mark.parametrize("form", ["g-beta", "gk-erase_write"])
 def test_backward_matches_the_token_walk_across_head_layouts(form, heads):
     x = operands(form, L=70, **HEADS[heads])
-    o, S, starts = forward_states(x)
-    do, dS = upstream(o, S)
-    ref = rb.backward(*x[:6], starts, SCALE, do, dS, [True] * 7)
-    got = cb.backward(*x[:6], starts, SCALE, do, dS, [True] * 7)
-    names = "dq dk dv dlam db dw dS0".split()
-    assert_close({n: t for n, t in zip(names, got) if t is not None},
-                 {n: t for n, t in zip(names, ref) if t is not None})
+    assert_matches_the_walk(x)
 
 
 @pytest.mark.parametrize("form", ["g-beta", "gk-erase_write"])
@@ -232,13 +233,7 @@ def test_groups_of_one_chunk_give_the_same_gradients(form, monkeypatch):
     """Memory bound: chunks go in groups (last group first); one chunk per group changes nothing."""
     monkeypatch.setattr(cb, "GROUP_ELEMENTS", 1)
     x = operands(form, L=200, N=1)
-    o, S, starts = forward_states(x)
-    do, dS = upstream(o, S)
-    ref = rb.backward(*x[:6], starts, SCALE, do, dS, [True] * 7)
-    got = cb.backward(*x[:6], starts, SCALE, do, dS, [True] * 7)
-    names = "dq dk dv dlam db dw dS0".split()
-    assert_close({n: t for n, t in zip(names, got) if t is not None},
-                 {n: t for n, t in zip(names, ref) if t is not None})
+    assert_matches_the_walk(x)
 
 
 def test_backward_without_a_final_state_gradient_and_needs():

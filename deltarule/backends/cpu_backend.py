@@ -185,11 +185,9 @@ class _Recurrence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, q, k, v, g, gk, b, w, S0):
-        spans, first = _checkpoint_tables(p)
-        R = int(first[-1])
-        ck = _empty((R, p.Hv, p.K, p.V), torch.float32, pool_from=GRAD_POOL_MIN_BYTES)
-        rows = torch.from_numpy(first[:-1])
-        ck[rows] = 0.0 if S0 is None else S0
+        spans, first, starts, finals = _checkpoint_tables(p)
+        ck = _empty((int(first[-1]), p.Hv, p.K, p.V), torch.float32, pool_from=GRAD_POOL_MIN_BYTES)
+        ck[starts] = 0.0 if S0 is None else S0
         o = _empty((p.B, p.T, p.Hv, p.G, p.V), torch.float32, zero=not p.plan.covered(),
                    pool_from=GRAD_POOL_MIN_BYTES)
         u = _empty((p.B, p.T, p.Hv, p.V), torch.float32, pool_from=GRAD_POOL_MIN_BYTES)
@@ -197,8 +195,7 @@ class _Recurrence(torch.autograd.Function):
         cpu_recurrent.recurrent(q, k, v, g, gk, b, w, ck, ck, o, spans=spans, token_rows=None, owner=owner,
                                 scale=p.scale, l2norm_eps=None, stream_state=False,
                                 threads=_threads(p, p.plan.steps), u_out=u, checkpoint=CHECKPOINT)
-        lengths = torch.tensor([-(-s.length // CHECKPOINT) for s in p.spans], dtype=torch.int64)
-        S = ck.index_select(0, rows + lengths)
+        S = ck.index_select(0, finals)
         ctx.p = p
         ctx.save_for_backward(q, k, v, u, g, gk, b, w, ck)
         return o, S
@@ -228,25 +225,28 @@ class _Recurrence(torch.autograd.Function):
 
 
 def _checkpoint_tables(p: Problem):
-    """(spans [N, 5] for the kernel, first [N + 1] int64), kept with the plan: sequence n's
-    chunk-start states lie in rows first[n] .. first[n] + its chunks of CHECKPOINT tokens of
-    the checkpoint buffer (the last its final state), first[N] the buffer's size; its span
-    reads row first[n] and writes the final row (an empty sequence: nothing, its final state
-    is its start)."""
+    """(spans [N, 5] for the kernel, first [N + 1] int64, starts [N], finals [N] int64 tensors),
+    kept with the plan: sequence n's chunk-start states lie in rows first[n] .. first[n] + its
+    chunks of CHECKPOINT tokens of the checkpoint buffer, starts[n] = first[n] holding its
+    initial state and finals[n] (the last) its final state; first[N] is the buffer's size. Its
+    span reads row first[n] and writes the final row (an empty sequence: nothing, its final
+    state is its start)."""
     def build():
         chunks = [-(-s.length // CHECKPOINT) for s in p.spans]
         first = np.zeros(p.N + 1, dtype=np.int64)
         first[1:] = np.cumsum(np.array(chunks, dtype=np.int64) + 1)
         spans = np.array([(s.row, s.start, s.end, first[n], first[n] + chunks[n]) if chunks[n]
                           else (s.row, s.start, s.start, -1, -1) for n, s in enumerate(p.spans)], dtype=np.int64)
-        return torch.from_numpy(spans.reshape(-1, 5)), first
+        finals = first[:-1] + np.array(chunks, dtype=np.int64)
+        return (torch.from_numpy(spans.reshape(-1, 5)), first, torch.from_numpy(first[:-1]),
+                torch.from_numpy(finals))
     return p.plan.cached(("cpu checkpoints", CHECKPOINT), build)
 
 
 def _backward_spans(p: Problem) -> torch.Tensor:
     """[N, 4] int64 (row, start, end, first checkpoint row) for backward.c."""
     def build():
-        _, first = _checkpoint_tables(p)
+        first = _checkpoint_tables(p)[1]
         return torch.tensor([(s.row, s.start, s.end, first[n]) for n, s in enumerate(p.spans)],
                             dtype=torch.int64).reshape(-1, 4)
     return p.plan.cached(("cpu backward spans", CHECKPOINT), build)
