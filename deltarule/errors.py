@@ -16,7 +16,9 @@ class ContractError(ValueError):
 
 
 class Unsupported(RuntimeError):
-    """A backend declines a valid call; the message says why.
+    """deltarule declines a valid request; the message says why.
 
-    `backend="auto"` catches it and moves on to the next backend.
+    A backend declining a call (`backend="auto"` catches it and moves on to the
+    next backend), or an integration declining the installed library
+    (`deltarule.integrations.transformers.enable()` on an unsupported transformers).
     """

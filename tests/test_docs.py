@@ -10,13 +10,15 @@ import deltarule.api
 import deltarule.batch
 import deltarule.contracts.ascend
 import deltarule.contracts.slab
+import deltarule.integrations.transformers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
 
 @pytest.mark.parametrize("module", [deltarule.api, deltarule.batch, deltarule.contracts.ascend,
-                                    deltarule.contracts.slab], ids=lambda m: m.__name__)
+                                    deltarule.contracts.slab, deltarule.integrations.transformers],
+                         ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

@@ -28,6 +28,7 @@ from ..backends import names as backend_names
 from ..cases import DTYPES, bench_cases, make_inputs
 from ..check import STORE_TOL
 from . import report
+from .model import MODELS
 from .peers import PEERS, Skip
 from .timing import measure
 
@@ -65,12 +66,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backward", action="store_true",
                         help="forward + backward of the prefill cases beside autograd through the peers' "
                              "torch functions, and the memory the forward keeps for the backward")
+    parser.add_argument("--model", metavar="FAMILY", choices=sorted(MODELS),
+                        help="a transformers hybrid model of realistic layer sizes (random weights) end to end: "
+                             "prefill and greedy-decode tokens/s on transformers' fallback and on deltarule, "
+                             "and the share of time in the linear-attention layers (one of: %(choices)s)")
     parser.add_argument("--plot", metavar="FILE.png", help="save a bar chart of the times")
     parser.add_argument("--json", metavar="FILE", help="write machine-readable results")
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark; print the table; write the JSON and plot if asked."""
+    if args.model:
+        from . import model
+
+        meta = _meta(args)
+        result = model.run(args)
+        print(model.table(result, meta))
+        _write_json(args.json, {"meta": meta, "model": result})
+        return 0
     try:
         cases = select_cases(bench_cases(), args.case, args.quick)
     except ValueError as e:
@@ -85,26 +98,27 @@ def main(args: argparse.Namespace) -> int:
             print("deltarule bench --backward: no prefill case selected", file=sys.stderr)
             return 2
         print(backward.table(results, meta))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"meta": meta, "backward": results}, f, indent=2)
-                f.write("\n")
+        _write_json(args.json, {"meta": meta, "backward": results})
         return 0
     peer_names = [p.name for p in PEERS]
     meta = _meta(args)
     meta["copy_gb_per_s"] = copy_bandwidth()
     results = run(cases, args)
     print(report.table(results, meta, peer_names))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=2)
-            f.write("\n")
+    _write_json(args.json, {"meta": meta, "results": results})
     if args.plot:
         from .plot import plot
 
         title = f"deltarule bench ({meta['dtype']}, torch {meta['torch']}, {meta['threads']} threads)"
         plot(results, peer_names, args.plot, title)
     return 0
+
+
+def _write_json(path: str | None, data: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
 
 
 def select_cases(cases: list[dict], patterns: list[str] | None, quick: bool) -> list[dict]:
