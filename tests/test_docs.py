@@ -10,6 +10,7 @@ import deltarule.api
 import deltarule.batch
 import deltarule.contracts.ascend
 import deltarule.contracts.slab
+import deltarule.distributed
 import deltarule.integrations.transformers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -17,7 +18,7 @@ README = ROOT / "README.md"
 
 
 @pytest.mark.parametrize("module", [deltarule.api, deltarule.batch, deltarule.contracts.ascend,
-                                    deltarule.contracts.slab, deltarule.integrations.transformers],
+                                    deltarule.contracts.slab, deltarule.distributed, deltarule.integrations.transformers],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)

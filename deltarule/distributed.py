@@ -1,0 +1,354 @@
+"""Context-parallel prefill over `torch.distributed`: the token axis split across ranks.
+
+Every rank holds a contiguous slice of the tokens, in rank order, and calls
+`linear_attention` here with the same arguments otherwise. The result on each rank
+is its slice of the outputs and the final states of the whole sequences, equal to
+one `deltarule.linear_attention` over all the tokens.
+
+How (docs/distributed.md): per token the state update is affine in the state,
+``S_t = A_t S_{t-1} + k_t (w_t * v_t)^T`` with ``A_t = (I - k_t (b_t * k_t)^T) D_t``,
+so a slice maps its incoming state by ``S -> M S + X`` (``M`` the product of the
+``A_t``, ``X`` the slice's state from zero). deltarule's own kernels give both in
+one pass: the slice runs with ``K`` extra value columns that are zero and start
+from the identity (state ``[I | 0]``, values ``[0 | v]``); the extra columns end
+as ``M``, the others as ``X``, and the extra output columns are
+``scale * P_t^T q_t`` (``P_t`` the transition up to token t), so the true outputs
+are ``o_t = o0_t + S_in^T (scale * P_t^T q_t)``: no second pass over the tokens
+once the incoming state is known. One all-gather of ``[K, K + V]`` per head and
+sequence piece (and one of two integers per rank) is all that is communicated:
+independent of T. The chain runs in float32 with no division, so strong decay
+(``M`` underflowing to 0) is safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import api
+from .errors import ContractError
+
+__all__ = ["linear_attention", "Piece", "pieces"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The tokens ``[start, end)`` of a rank's slice (local indices) that belong to sequence `sequence`.
+
+    ``continued``: the sequence has tokens on an earlier rank, so the piece's state at
+    ``start`` comes from there.
+    """
+
+    sequence: int
+    start: int
+    end: int
+    continued: bool
+
+
+def pieces(lengths: list[int], cu_seqlens: list[int] | None, batch: int) -> list[list[Piece]]:
+    """Each rank's pieces, from every rank's token count `lengths` (ranks in order).
+
+    Packed (`cu_seqlens` given): the ranks' slices of the flat token axis cut the
+    sequences; empty sequences have no piece. Padded (`cu_seqlens` None): every
+    rank with tokens holds a piece of each of the `batch` rows.
+
+    >>> [[(p.sequence, p.start, p.end, p.continued) for p in r] for r in pieces([3, 4], [0, 2, 2, 7], 1)]
+    [[(0, 0, 2, False), (2, 2, 3, False)], [(2, 0, 4, True)]]
+    """
+    result, offset = [], 0
+    for length in lengths:
+        if cu_seqlens is None:
+            held = [Piece(b, 0, length, offset > 0) for b in range(batch)] if length else []
+        else:
+            held = [Piece(s, max(lo, offset) - offset, min(hi, offset + length) - offset, lo < offset)
+                    for s, (lo, hi) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:]))
+                    if max(lo, offset) < min(hi, offset + length)]
+        result.append(held)
+        offset += length
+    return result
+
+
+def linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    rule: str = "gated_delta",
+    g: torch.Tensor | None = None,
+    gk: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    erase: torch.Tensor | None = None,
+    write: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    state_layout: str = "kv",
+    cu_seqlens: torch.Tensor | None = None,
+    qk_l2norm: bool = False,
+    l2norm_eps: float = 1e-6,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    beta_sigmoid: bool = False,
+    chunk_size: int = 64,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`deltarule.linear_attention` over a token axis split across the ranks of `group`.
+
+    Every rank calls it (a collective) with its slice of the tokens and the same
+    other arguments. The arguments are `deltarule.linear_attention`'s, with these
+    differences:
+
+    Args:
+        q, k, v, g, gk, beta, erase, write: this rank's slice of the token axis
+            (dimension 1), ranks in rank order: ``[B, T_r, ...]``. T_r may differ
+            between ranks and may be 0.
+        group: the process group (default: the world). gloo (CPU) and NCCL; the
+            tensors live on the device the backend needs.
+        cu_seqlens: packed sequences: B = 1 and the *global* ``[N + 1]`` offsets
+            over all ranks' tokens, the same on every rank (``cu_seqlens[-1]`` is
+            the total token count). Sequences may cross rank boundaries and a rank
+            may hold no token of a sequence. None: each of the B rows is one
+            sequence split along T.
+        initial_state: ``[N, Hv, K, V]`` (``[N, Hv, V, K]`` with ``state_layout="vk"``),
+            the same on every rank; None starts from zero.
+        A_log, dt_bias: the same on every rank.
+        Not accepted: ``seq_lens``, ``state_indices``, ``num_accepted_tokens`` and
+        ``plan`` (serving arguments; a slab is updated in place on one device).
+
+    Returns:
+        ``(o, state)``: this rank's outputs ``[B, T_r, Ho, V]`` (v's dtype) and the final
+        states of all N sequences, ``[N, Hv, K, V]`` (or V-major), on every rank
+        (initial_state's dtype, float32 without one).
+
+    Gradients: differentiable like `linear_attention` (the all-gather is torch's
+    differentiable one; every rank must run the backward). A rank's gradients of its
+    slices are those of the sum of all ranks' losses; the gradients of what every
+    rank holds (``initial_state``, ``A_log``, ``dt_bias``) are per-rank shares whose
+    sum over the ranks is the gradient: all-reduce them as context-parallel training
+    does its parameters'.
+
+    Raises `deltarule.ContractError` before any computation, on every rank when any
+    rank's arguments are invalid (so that no rank waits in a collective).
+
+    Example (``torchrun --nproc-per-node 2 examples/context_parallel.py``)::
+
+        dist.init_process_group("gloo")
+        o, state = deltarule.distributed.linear_attention(q_r, k_r, v_r, g=g_r, beta=beta_r)
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ContractError("group", "an initialized torch.distributed process group", "not initialized")
+    group = group if group is not None else dist.group.WORLD
+    gates = dict(g=g, gk=gk, beta=beta, erase=erase, write=write)
+    common = dict(rule=rule, scale=scale, qk_l2norm=qk_l2norm, l2norm_eps=l2norm_eps, A_log=A_log,
+                  dt_bias=dt_bias, beta_sigmoid=beta_sigmoid, chunk_size=chunk_size, backend=backend)
+    failure = _check_local(q, k, v, gates, common, initial_state, state_layout, cu_seqlens)
+    differentiable = failure is None and torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad
+        for x in (q, k, v, *gates.values(), initial_state, A_log, dt_bias))
+    # One small collective carries every rank's token count, whether its arguments passed and
+    # whether it needs gradients (then every rank takes part in the backward's collective).
+    tokens = q.shape[1] if failure is None else 0            # a refused q may have no token axis
+    device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    mine = torch.tensor([tokens, failure is not None, differentiable], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    lengths = [int(x[0]) for x in everyone]
+    refused = [r for r, x in enumerate(everyone) if int(x[1])]
+    differentiable = any(int(x[2]) for x in everyone)
+    if failure is not None:
+        raise failure
+    if refused:
+        raise ContractError("group", "valid arguments on every rank", f"rank(s) {refused} refused theirs")
+    cu = None if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()]
+    if cu is not None and cu[-1] != sum(lengths):
+        raise ContractError("cu_seqlens", f"ending at the ranks' total token count {sum(lengths)} "
+                            f"(slices of {lengths})", cu[-1])
+    B, Hv, K, V = q.shape[0], v.shape[2], k.shape[3], v.shape[3]
+    N = B if cu is None else len(cu) - 1
+    h0 = None
+    if initial_state is not None:
+        h0 = (initial_state.transpose(-1, -2) if state_layout == "vk" else initial_state).float()
+    rank = dist.get_rank(group)
+    table = pieces(lengths, cu, B)
+    local = _Slice(q, k, v, gates, common, h0, table[rank], cu is None)
+    packets = local.packets(max(len(held) for held in table), Hv, K, V)
+    gathered = _all_gather(packets, group, differentiable)
+    incoming, finals = _chain(table, gathered, rank, h0, N, Hv, K, V, q.device)
+    o = local.outputs(incoming)
+    if initial_state is not None:
+        finals = finals.to(initial_state.dtype)
+    if state_layout == "vk":
+        finals = finals.transpose(-1, -2).contiguous()
+    return o, finals
+
+
+def _check_local(q, k, v, gates, common, initial_state, state_layout, cu_seqlens) -> ContractError | None:
+    """This rank's argument errors, as `linear_attention` would raise them (None: valid)."""
+    try:
+        kernel_args = {n: x for n, x in common.items() if n != "backend"}
+        api.validate(q, k, v, **gates, **kernel_args)
+        if cu_seqlens is not None:
+            if q.shape[0] != 1:
+                raise ContractError("q", "B = 1 with cu_seqlens (packed sequences)", tuple(q.shape))
+            if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+                    or cu_seqlens.is_floating_point():
+                raise ContractError("cu_seqlens", "a 1-D integer tensor [N + 1]",
+                                    getattr(cu_seqlens, "shape", type(cu_seqlens).__name__))
+            cu = cu_seqlens.tolist()
+            if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+                raise ContractError("cu_seqlens", "non-decreasing offsets from 0", cu if len(cu) < 16 else "...")
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+        if state_layout not in ("kv", "vk"):
+            raise ContractError("state_layout", "'kv' or 'vk'", repr(state_layout))
+        if initial_state is not None:
+            Hv, K, V = v.shape[2], k.shape[3], v.shape[3]
+            shape = (N, Hv, K, V) if state_layout == "kv" else (N, Hv, V, K)
+            if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != shape:
+                raise ContractError("initial_state", f"{list(shape)} ({state_layout} layout)",
+                                    tuple(getattr(initial_state, "shape", ())))
+            if initial_state.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise ContractError("initial_state", "dtype float32, float16 or bfloat16", initial_state.dtype)
+    except ContractError as error:
+        return error
+    return None
+
+
+class _Slice:
+    """This rank's tokens: the pieces that start their sequence run now from their initial
+    state; a continued piece (at most one packed, every row padded) runs with the
+    identity columns and is finished once its incoming state is known."""
+
+    def __init__(self, q, k, v, gates, common, h0, held: list[Piece], padded: bool):
+        self.q, self.k, self.v, self.gates, self.common = q, k, v, gates, common
+        self.held = held
+        T = q.shape[1]
+        continued = [p for p in held if p.continued]
+        # tokens [0, split) belong to the continued piece(s), [split, T) to pieces starting here
+        self.split = (continued[0].end if continued else 0) if not padded else (T if continued else 0)
+        self.continued, self.fresh = continued, [p for p in held if not p.continued]
+        self.padded = padded
+        self.fresh_out = self.fresh_final = None
+        if self.fresh:
+            self.fresh_out, self.fresh_final = self._fresh(h0)
+        self.aug_out = self.aug_final = None
+        if continued:
+            self.aug_out, self.aug_final = self._augmented()
+
+    def _tokens(self, lo, hi):
+        cut = lambda x: None if x is None else x[:, lo:hi]  # noqa: E731
+        return cut(self.q), cut(self.k), cut(self.v), {n: cut(x) for n, x in self.gates.items()}
+
+    def _fresh(self, h0):
+        q, k, v, gates = self._tokens(self.split, self.q.shape[1])
+        rows = [p.sequence for p in self.fresh]
+        init = None if h0 is None else h0[rows]
+        cu = None
+        if not self.padded:
+            cu = torch.tensor([0, *torch.tensor([p.end - p.start for p in self.fresh]).cumsum(0).tolist()],
+                              dtype=torch.int64, device=q.device)
+        return api.linear_attention(q, k, v, **gates, **self.common, initial_state=init, cu_seqlens=cu)
+
+    def _augmented(self):
+        q, k, v, gates = self._tokens(0, self.split)
+        B, T, Hv, V = v.shape
+        K = k.shape[3]
+        v_aug = torch.cat([v.new_zeros(B, T, Hv, K), v], dim=-1)
+        if gates["write"] is not None:
+            gates = dict(gates, write=torch.cat([gates["write"].new_ones(B, T, Hv, K), gates["write"]], dim=-1))
+        start = torch.zeros(B, Hv, K, K + V, device=q.device)
+        start[..., :K] = torch.eye(K, device=q.device)
+        return api.linear_attention(q, k, v_aug, **gates, **self.common, initial_state=start)
+
+    def packets(self, count: int, Hv: int, K: int, V: int) -> torch.Tensor:
+        """``[count, Hv, K, K + V]``: per held piece ``[M | X]`` (M = 0 for a piece that starts its sequence)."""
+        parts = []
+        for i, piece in enumerate(self.held):
+            if piece.continued:
+                parts.append(self.aug_final[self.continued.index(piece)])
+            else:
+                fin = self.fresh_final[self.fresh.index(piece)]
+                parts.append(torch.cat([fin.new_zeros(Hv, K, K), fin], dim=-1))
+        pad = count - len(parts)
+        device = self.q.device
+        stacked = torch.stack(parts) if parts else torch.zeros(0, Hv, K, K + V, device=device)
+        return torch.cat([stacked, stacked.new_zeros(pad, Hv, K, K + V)]) if pad else stacked
+
+    def outputs(self, incoming: torch.Tensor | None) -> torch.Tensor:
+        """``[B, T_r, Ho, V]``: the continued piece's outputs corrected by its incoming state."""
+        B, T, Hv, V = self.v.shape
+        K = self.k.shape[3]
+        Ho = max(self.q.shape[2], Hv)
+        parts = []
+        if self.continued:
+            o_aug = self.aug_out
+            read, o0 = o_aug[..., :K], o_aug[..., K:]
+            S = incoming.repeat_interleave(Ho // Hv, dim=1) if Ho != Hv else incoming   # [B', Ho, K, V]
+            o = o0.float().clone()
+            read = read.float()
+            # one strided GEMM per row and head (1.4x faster here than einsum's permuted copies)
+            for b in range(o.shape[0]):
+                for h in range(Ho):
+                    o[b, :, h].addmm_(read[b, :, h], S[b, h])
+            parts.append(o.to(self.v.dtype))
+        if self.fresh:
+            parts.append(self.fresh_out)
+        if not parts:
+            return self.v.new_zeros(B, T, Ho, V)
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+def _all_gather(packet: torch.Tensor, group, differentiable: bool) -> list[torch.Tensor]:
+    """Every rank's packet; differentiable when some rank needs gradients (a rank whose
+    packet depends on nothing differentiable, one without tokens say, still takes part
+    in the backward's all-reduce)."""
+    if differentiable:
+        if not packet.requires_grad:
+            packet = packet.detach().requires_grad_(True)
+        return list(_AllGather.apply(packet, group))
+    out = [torch.empty_like(packet) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, packet.contiguous(), group=group)
+    return out
+
+
+class _AllGather(torch.autograd.Function):
+    """all_gather whose backward sums, over the ranks, each one's gradient of this rank's packet.
+
+    The backward all-reduces the stacked gradients of all packets and keeps this rank's
+    (one collective every backend has; the packets are small).
+    """
+
+    @staticmethod
+    def forward(ctx, packet, group):
+        ctx.group = group
+        out = [torch.empty_like(packet) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, packet.contiguous(), group=group)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        stacked = torch.stack([torch.zeros_like(grads[0]) if g is None else g for g in grads]).contiguous()
+        dist.all_reduce(stacked, group=ctx.group)
+        return stacked[dist.get_rank(ctx.group)], None
+
+
+def _chain(table, gathered, rank, h0, N, Hv, K, V, device):
+    """Walk each sequence's pieces in rank order: this rank's incoming states and every final state."""
+    by_sequence: list[list[tuple[int, int, Piece]]] = [[] for _ in range(N)]
+    for r, held in enumerate(table):
+        for i, piece in enumerate(held):
+            by_sequence[piece.sequence].append((r, i, piece))
+    finals, incoming = [], []
+    for s in range(N):
+        S = h0[s] if h0 is not None else torch.zeros(Hv, K, V, device=device)
+        for r, i, piece in by_sequence[s]:
+            M, X = gathered[r][i][..., :K], gathered[r][i][..., K:]
+            if not piece.continued:
+                S = X                                # its run started from the sequence's initial state
+                continue
+            if r == rank:
+                incoming.append(S)
+            S = torch.einsum("hij,hjv->hiv", M, S) + X
+        finals.append(S)
+    return (torch.stack(incoming) if incoming else None), torch.stack(finals)

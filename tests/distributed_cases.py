@@ -1,0 +1,218 @@
+"""The cases of tests/test_distributed.py, and the worker each of its gloo processes runs.
+
+    python tests/distributed_cases.py RANK WORLD PORT OUT_DIR
+
+Every rank builds each case's global inputs from its seed, runs the single-process
+`deltarule.linear_attention` over all tokens (the reference: it is itself tested
+against the float64 oracle), then `deltarule.distributed.linear_attention` on its
+slice, and writes the relative errors of its outputs, of the final states and (grad
+cases) of its gradients to OUT_DIR/rank{RANK}.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+# name -> the case. "cu": packed sequences (B = 1) with these lengths (0: empty); else padded
+# rows of T tokens. "gates": the gate form. "split": how the tokens are cut across ranks.
+CASES = {
+    "padded-gdn-B2-T67": dict(B=2, T=67, gates="gdn", split="even"),
+    "padded-gdn-h0-vk-B2-T40": dict(B=2, T=40, gates="gdn", split="ragged", h0="vk"),
+    "padded-kda-B1-T65-K100": dict(B=1, T=65, K=100, gates="kda", split="even", h0="kv"),
+    "padded-gdn2-B2-T50": dict(B=2, T=50, gates="gdn2", split="ragged", h0="kv"),
+    "padded-ascend-g+gk-B1-T40": dict(B=1, T=40, gates="ascend", split="even"),
+    "padded-alog-sigmoid-B2-T33": dict(B=2, T=33, gates="alog", split="even", h0="kv"),
+    "padded-linear-B1-T30": dict(B=1, T=30, gates="linear", split="even", h0="kv"),
+    "padded-gated-B1-T30": dict(B=1, T=30, gates="gated", split="ragged"),
+    "padded-delta-B1-T30": dict(B=1, T=30, gates="delta", split="even"),
+    "padded-gqa-Hq4-Hv2-B1-T31": dict(B=1, T=31, Hq=4, Hk=2, Hv=2, gates="gdn", split="even", h0="kv"),
+    "padded-strong-decay-B1-T600": dict(B=1, T=600, gates="strong", split="even", h0="kv"),
+    "padded-inf-reset-B1-T90": dict(B=1, T=90, gates="reset", split="ragged", h0="kv"),
+    "padded-bf16-state-B1-T40": dict(B=1, T=40, gates="gdn", split="even", h0="bf16"),
+    "packed-gdn-7seq": dict(cu=[5, 0, 37, 4, 1, 28, 15], gates="gdn", split="even", h0="kv"),
+    "packed-kda-ragged": dict(cu=[60, 2, 0, 33], gates="kda", split="ragged", h0="kv"),
+    "packed-gdn2-one-long": dict(cu=[97], gates="gdn2", split="ragged"),
+    "packed-strong-decay": dict(cu=[300, 1, 250], gates="strong", split="even", h0="kv"),
+    "grad-padded-gdn-B2-T40": dict(B=2, T=40, gates="gdn", split="even", h0="kv", grad=True),
+    "grad-padded-gdn2-B1-T37": dict(B=1, T=37, gates="gdn2", split="ragged", h0="kv", grad=True),
+    "grad-packed-kda": dict(cu=[20, 0, 31, 6], gates="kda", split="ragged", h0="kv", grad=True),
+    "grad-packed-alog": dict(cu=[9, 41], gates="alog", split="even", grad=True),
+}
+TOL = 1e-5
+GRAD_TOL = 1e-4
+DIFFERENTIABLE = ("q", "k", "v", "g", "gk", "beta", "erase", "write", "A_log", "dt_bias", "initial_state")
+SHARED = ("A_log", "dt_bias", "initial_state")      # every rank holds them: gradients are all-reduced
+
+
+def split(total: int, world: int, style: str) -> list[int]:
+    """Token counts per rank. "even": as equal as can be; "ragged": rank 1 holds none and the
+    others unequal shares (with 2 ranks: 1/4 and 3/4)."""
+    if style == "even":
+        return [total // world + (r < total % world) for r in range(world)]
+    if world == 2:
+        return [total // 4, total - total // 4]
+    weights = [r + 1 if r != 1 else 0 for r in range(world)]
+    counts = [total * w // sum(weights) for w in weights]
+    counts[-1] += total - sum(counts)
+    return counts
+
+
+def inputs(case: dict, seed: int = 0) -> dict:
+    """The global keyword arguments of `deltarule.linear_attention` for a case."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    uni = lambda *shape: torch.rand(*shape, generator=gen)  # noqa: E731
+    Hq, Hk, Hv = case.get("Hq", 2), case.get("Hk", 2), case.get("Hv", 4 if "Hq" not in case else 2)
+    K, V = case.get("K", 16), case.get("V", 12)
+    if "cu" in case:
+        B, T = 1, sum(case["cu"])
+        cu = torch.tensor([0, *torch.tensor(case["cu"]).cumsum(0).tolist()])
+        N = len(case["cu"])
+    else:
+        B, T, cu, N = case["B"], case["T"], None, case["B"]
+    args = dict(q=rand(B, T, Hq, K), k=torch.nn.functional.normalize(rand(B, T, Hk, K), dim=-1), v=rand(B, T, Hv, V))
+    form = case["gates"]
+    if form in ("gdn", "gated", "strong", "reset", "ascend"):
+        args["g"] = -uni(B, T, Hv) * 0.3 if form != "strong" else -5 - 15 * uni(B, T, Hv)
+        if form == "reset":
+            args["g"][:, T // 3] = -math.inf
+            args["g"][:, 2 * T // 3 + 1] = -math.inf
+    if form in ("kda", "gdn2", "ascend"):
+        args["gk"] = -uni(B, T, Hv, K) * 0.3
+    if form in ("gdn", "kda", "delta", "strong", "reset", "ascend"):
+        args["beta"] = uni(B, T, Hv)
+    if form == "gdn2":
+        args["erase"], args["write"] = uni(B, T, Hv, K), uni(B, T, Hv, V)
+    if form == "alog":
+        args.update(g=rand(B, T, Hv), A_log=rand(Hv) * 0.5, dt_bias=rand(Hv), beta=rand(B, T, Hv), beta_sigmoid=True)
+    args["rule"] = {"linear": "linear", "gated": "gated", "delta": "delta"}.get(form, "gated_delta")
+    if form in ("gdn", "kda", "strong", "reset", "alog"):
+        args["qk_l2norm"] = True
+    h0 = case.get("h0")
+    if h0:
+        state = rand(N, Hv, K, V) * 0.5
+        if h0 == "vk":
+            args.update(initial_state=state.transpose(-1, -2).contiguous(), state_layout="vk")
+        else:
+            args["initial_state"] = state.to(torch.bfloat16) if h0 == "bf16" else state
+    if cu is not None:
+        args["cu_seqlens"] = cu
+    return args
+
+
+def _slice(args: dict, lo: int, hi: int) -> dict:
+    out = dict(args)
+    for name in ("q", "k", "v", "g", "gk", "beta", "erase", "write"):
+        if name in out:
+            out[name] = out[name][:, lo:hi]
+    return out
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.detach().double(), ref.detach().double()
+    den = ref.norm()
+    if den == 0:
+        return 0.0 if x.norm() == 0 else math.inf
+    return float((x - ref).norm() / den)
+
+
+def _losses(o, state, do, dS):
+    return (o.float() * do).sum() + (state.float() * dS).sum()
+
+
+def run_case(name: str, rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    import deltarule
+    import deltarule.distributed
+
+    case = CASES[name]
+    args = inputs(case)
+    T = args["q"].shape[1]
+    counts = split(T, world, case["split"])
+    lo = sum(counts[:rank])
+    hi = lo + counts[rank]
+    grad = case.get("grad", False)
+    leaves = {}
+    if grad:
+        leaves = {n: x.clone().requires_grad_(True) for n, x in args.items()
+                  if n in DIFFERENTIABLE and isinstance(x, torch.Tensor)}
+    full = {**args, **leaves}
+    ref_o, ref_state = deltarule.linear_attention(**full, backend="cpu")
+    mine = {n: x.detach().clone().requires_grad_(True) if n in leaves else x
+            for n, x in _slice(args, lo, hi).items()}
+    o, state = deltarule.distributed.linear_attention(**mine, backend="cpu")
+    result = {"o": _rel(o, ref_o[:, lo:hi]), "state": _rel(state, ref_state), "counts": counts,
+              "o_shape": list(o.shape), "state_dtype": str(state.dtype)}
+    if grad:
+        gen = torch.Generator().manual_seed(1)
+        do = torch.randn(ref_o.shape, generator=gen)
+        dS = torch.randn(ref_state.shape, generator=gen)
+        # every rank's loss holds the shared final states once: the reference's total is world times that
+        _losses(ref_o, ref_state * world, do, dS).backward()
+        _losses(o, state, do[:, lo:hi], dS).backward()
+        errors = {}
+        for n, leaf in leaves.items():
+            g = mine[n].grad if mine[n].grad is not None else torch.zeros_like(mine[n])
+            if n in SHARED:
+                dist.all_reduce(g)
+                errors[n] = _rel(g, leaf.grad)
+            else:
+                errors[n] = _rel(g, leaf.grad[:, lo:hi]) if hi > lo else 0.0
+        result["grads"] = errors
+    return result
+
+
+# Invalid calls: every rank must raise ContractError (none may wait in a collective).
+# "bad-beta-on-rank-1": only rank 1's beta has the wrong shape; "short-cu_seqlens": the
+# global offsets end before the ranks' total token count.
+REFUSALS = ("bad-beta-on-rank-1", "short-cu_seqlens")
+
+
+def run_refusal(name: str, rank: int, world: int) -> dict:
+    import deltarule
+    import deltarule.distributed
+
+    args = inputs(dict(cu=[10, 30], gates="gdn"))
+    counts = split(40, world, "even")
+    lo = sum(counts[:rank])
+    mine = _slice(args, lo, lo + counts[rank])
+    if name == "bad-beta-on-rank-1" and rank == 1:
+        mine["beta"] = mine["beta"][..., :1]
+    if name == "short-cu_seqlens":
+        mine["cu_seqlens"] = torch.tensor([0, 10, 39])
+    try:
+        deltarule.distributed.linear_attention(**mine)
+    except deltarule.ContractError as error:
+        return {"argument": error.argument, "message": str(error)}
+    return {"argument": None}
+
+
+def main(rank: int, world: int, port: int, out: str) -> int:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {}
+    for name in CASES:
+        try:
+            results[name] = run_case(name, rank, world)
+        except Exception:                                   # reported per case by the test
+            results[name] = {"error": traceback.format_exc()}
+    for name in REFUSALS:
+        results[name] = run_refusal(name, rank, world)
+    dist.barrier()
+    dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    rank, world, port = (int(x) for x in sys.argv[1:4])
+    raise SystemExit(main(rank, world, port, sys.argv[4]))
