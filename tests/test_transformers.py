@@ -51,8 +51,6 @@ def _glm5_next(base, mla):
 
 
 def _qwen4_exp(base, mla):
-    if base["layer_types"] == _LAYERS:
-        base = dict(base, layer_types=["linear_attention", "indexed_attention"])
     return transformers.Qwen4ExpForCausalLM(transformers.Qwen4ExpTextConfig(
         **base, **_GDN, **_MOE, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
         indexer_compress_ratio=4, hc_count=2, hc_lowrank=8, ngram_vocab_size_base=1024,

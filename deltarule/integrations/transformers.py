@@ -52,7 +52,7 @@ FLA_KERNELS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "ch
 # The prefill convolution of the same layers: replaced so that packed sequences stay apart.
 CONV_KERNEL = "causal_conv1d_fn"
 MIN_MAJOR = 5
-TESTED_VERSIONS = ("5.24.0",)
+TESTED_VERSIONS = ("5.16.1", "5.20.2", "5.24.0")
 
 _DECORATED = re.compile(
     r'@use_kernel_func_from_hub_with_fallback\(\s*"(\w+)"\s*,\s*"(\w+)"[^)]*\)\s*\n\s*def\s+(\w+)')
@@ -79,7 +79,7 @@ def bindings() -> tuple[Binding, ...]:
 
     Found by reading the ``modeling_*.py`` sources of ``transformers.models`` (no
     modeling module is imported). Raises `deltarule.Unsupported` when
-    transformers is missing, older than 5, or binds none of them.
+    transformers is missing or binds none of them (before 5.15).
     """
     try:
         import transformers
@@ -90,8 +90,7 @@ def bindings() -> tuple[Binding, ...]:
     if int(version.split(".")[0]) < MIN_MAJOR:
         raise Unsupported(
             f"transformers {version} is not supported: its hybrid models bind fla's kernels through "
-            f"use_kernel_func_from_hub_with_fallback only from {MIN_MAJOR}.0 on "
-            f"(tested: {', '.join(TESTED_VERSIONS)})")
+            f"use_kernel_func_from_hub_with_fallback from 5.15 on (tested: {', '.join(TESTED_VERSIONS)})")
     found = []
     for root in transformers.models.__path__:
         for path in sorted(Path(root).glob("*/modeling_*.py")):
@@ -99,7 +98,8 @@ def bindings() -> tuple[Binding, ...]:
     if not any(b.kernel in FLA_KERNELS for b in found):
         raise Unsupported(
             f"transformers {version} binds none of {', '.join(FLA_KERNELS)} with "
-            f"use_kernel_func_from_hub_with_fallback (tested: {', '.join(TESTED_VERSIONS)})")
+            f"use_kernel_func_from_hub_with_fallback (that binding appeared in 5.15; before it the layers "
+            f"kept their kernels as instance attributes; tested: {', '.join(TESTED_VERSIONS)})")
     return tuple(found)
 
 
