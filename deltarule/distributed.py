@@ -223,10 +223,9 @@ class _Slice:
     def __init__(self, q, k, v, gates, common, h0, held: list[Piece], padded: bool):
         self.q, self.k, self.v, self.gates, self.common = q, k, v, gates, common
         self.held = held
-        T = q.shape[1]
         continued = [p for p in held if p.continued]
-        # tokens [0, split) belong to the continued piece(s), [split, T) to pieces starting here
-        self.split = (continued[0].end if continued else 0) if not padded else (T if continued else 0)
+        # tokens [0, split) belong to the continued piece(s), [split, T_r) to pieces starting here
+        self.split = continued[0].end if continued else 0
         self.continued, self.fresh = continued, [p for p in held if not p.continued]
         self.padded = padded
         self.fresh_out = self.fresh_final = None

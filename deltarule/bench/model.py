@@ -24,7 +24,7 @@ import inspect
 import statistics
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -74,10 +74,9 @@ class _Clock:
     layers: float = 0.0
     calls: int = 0
     recurrence: float = 0.0
-    call_seconds: list = field(default_factory=list)
 
     def reset(self):
-        self.layers, self.calls, self.recurrence, self.call_seconds = 0.0, 0, 0.0, []
+        self.layers, self.calls, self.recurrence = 0.0, 0, 0.0
 
 
 def build(family: str) -> torch.nn.Module:
@@ -96,11 +95,13 @@ def run(args: argparse.Namespace) -> dict:
 
     family = args.model
     prefill_tokens, prompt_tokens, new_tokens = SIZES["quick" if args.quick else "full"]
-    dt.enable()
+    found = dt.enable()
+    recurrences = [b for b in found if b.kernel in dt.FLA_KERNELS]
     try:
         model = build(family)
+        layers = _linear_layers(model, recurrences)
         clock = _Clock()
-        with _timed_layers(model, dt, clock):
+        with _timed_layers(layers, clock):
             gen = torch.Generator().manual_seed(0)
             vocab = model.config.vocab_size
             prefill_ids = torch.randint(3, vocab, (1, prefill_tokens), generator=gen)
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> dict:
             results = {}
             for mode in ("fallback", "deltarule"):
                 with dt.torch_fallback() if mode == "fallback" else contextlib.nullcontext(), \
-                        _timed_recurrences(model, dt, clock):
+                        _timed_recurrences(model, recurrences, clock):
                     results[mode] = _measure(model, prefill_ids, prompt, new_tokens, clock, args)
     finally:
         dt.disable()
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> dict:
     if not torch.equal(a.pop("tokens"), b.pop("tokens")):
         raise AssertionError(f"{family}: greedy tokens differ between the fallback and deltarule")
     return {"family": family, "parameters": sum(p.numel() for p in model.parameters()),
-            "linear_layers": len(_linear_layers(model, dt)), "layers": model.config.num_hidden_layers,
+            "linear_layers": len(layers), "layers": model.config.num_hidden_layers,
             "prefill_tokens": prefill_tokens, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
             "fallback": a, "deltarule": b}
 
@@ -166,14 +167,14 @@ class _Stamp:
         return scores
 
 
-def _linear_layers(model, dt) -> list[torch.nn.Module]:
+def _linear_layers(model, recurrences) -> list[torch.nn.Module]:
     """The modules whose forward calls one of the bound recurrences (the linear-attention layers)."""
-    names = {b.attribute for b in dt.bindings() if b.kernel in dt.FLA_KERNELS}
+    names = {b.attribute for b in recurrences}
     return [m for m in model.modules() if names & set(inspect.unwrap(type(m).forward).__code__.co_names)]
 
 
 @contextlib.contextmanager
-def _timed_layers(model, dt, clock: _Clock):
+def _timed_layers(layers, clock: _Clock):
     """Time the linear-attention layers: forward hooks around each of them."""
     starts = {}
 
@@ -184,7 +185,7 @@ def _timed_layers(model, dt, clock: _Clock):
         clock.layers += time.perf_counter() - starts.pop(id(module))
 
     handles = []
-    for layer in _linear_layers(model, dt):
+    for layer in layers:
         handles += [layer.register_forward_pre_hook(before), layer.register_forward_hook(after)]
     try:
         yield
@@ -194,11 +195,10 @@ def _timed_layers(model, dt, clock: _Clock):
 
 
 @contextlib.contextmanager
-def _timed_recurrences(model, dt, clock: _Clock):
+def _timed_recurrences(model, recurrences, clock: _Clock):
     """Time the recurrence calls: whatever the current mode bound, wrapped while the block runs."""
     module = importlib.import_module(type(model).__module__)
-    bound = {b.attribute: getattr(module, b.attribute) for b in dt.bindings()
-             if b.module == module.__name__ and b.kernel in dt.FLA_KERNELS}
+    bound = {b.attribute: getattr(module, b.attribute) for b in recurrences if b.module == module.__name__}
 
     def timed(function):
         def call(*args, **kwargs):

@@ -30,6 +30,7 @@ docs/transformers.md for the families found and the versions tested.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -91,15 +92,22 @@ def bindings() -> tuple[Binding, ...]:
         raise Unsupported(
             f"transformers {version} is not supported: its hybrid models bind fla's kernels through "
             f"use_kernel_func_from_hub_with_fallback from 5.15 on (tested: {', '.join(TESTED_VERSIONS)})")
-    found = []
-    for root in transformers.models.__path__:
-        for path in sorted(Path(root).glob("*/modeling_*.py")):
-            found += _scan(path.parent.name, f"transformers.models.{path.parent.name}.{path.stem}", path.read_text())
+    found = _scan_sources(tuple(transformers.models.__path__))
     if not any(b.kernel in FLA_KERNELS for b in found):
         raise Unsupported(
             f"transformers {version} binds none of {', '.join(FLA_KERNELS)} with "
             f"use_kernel_func_from_hub_with_fallback (that binding appeared in 5.15; before it the layers "
             f"kept their kernels as instance attributes; tested: {', '.join(TESTED_VERSIONS)})")
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=4)
+def _scan_sources(roots: tuple[str, ...]) -> tuple[Binding, ...]:
+    """The bindings of every modeling source under `roots`, read once per process."""
+    found = []
+    for root in roots:
+        for path in sorted(Path(root).glob("*/modeling_*.py")):
+            found += _scan(path.parent.name, f"transformers.models.{path.parent.name}.{path.stem}", path.read_text())
     return tuple(found)
 
 
