@@ -59,9 +59,11 @@ def main():
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--split", default="even", help="'even' or ratios such as 2:1 (rank 0 first)")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--state", default="/tmp/deltarule_cp_state.pt",
-                        help="the one-rank run saves its final state here; more ranks compare with it")
+    parser.add_argument("--state", default="/tmp/deltarule_cp_state_{tokens}.pt",
+                        help="the one-rank run saves its final state here ({tokens}: --tokens); more ranks "
+                             "compare with it")
     args = parser.parse_args()
+    args.state = args.state.format(tokens=args.tokens)
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -91,7 +93,7 @@ def main():
             lambda: stage.update(local=cp._Slice(q, k, v, gates, common, None, table[rank], padded=True)),
             args.repeat)
         local = stage["local"]
-        packets = local.packets(max(len(h) for h in table), H, K, K)
+        packets = local.packet(max(cp.packet_size(held, H, K, K) for held in table))
 
         def gather():
             stage["gathered"] = cp._all_gather(packets, None, False)

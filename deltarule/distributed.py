@@ -14,9 +14,9 @@ from the identity (state ``[I | 0]``, values ``[0 | v]``); the extra columns end
 as ``M``, the others as ``X``, and the extra output columns are
 ``scale * P_t^T q_t`` (``P_t`` the transition up to token t), so the true outputs
 are ``o_t = o0_t + S_in^T (scale * P_t^T q_t)``: no second pass over the tokens
-once the incoming state is known. One all-gather of ``[K, K + V]`` per head and
-sequence piece (and one of two integers per rank) is all that is communicated:
-independent of T. The chain runs in float32 with no division, so strong decay
+once the incoming state is known. One all-gather of ``X`` (``[K, V]``) per head and
+sequence piece and ``M`` (``[K, K]``) per continued piece (and one of three integers
+per rank) is all that is communicated: independent of T. The chain runs in float32 with no division, so strong decay
 (``M`` underflowing to 0) is safe.
 """
 
@@ -173,8 +173,8 @@ def linear_attention(
     rank = dist.get_rank(group)
     table = pieces(lengths, cu, B)
     local = _Slice(q, k, v, gates, common, h0, table[rank], cu is None)
-    packets = local.packets(max(len(held) for held in table), Hv, K, V)
-    gathered = _all_gather(packets, group, differentiable)
+    packet = local.packet(max(packet_size(held, Hv, K, V) for held in table))
+    gathered = _all_gather(packet, group, differentiable)
     incoming, finals = _chain(table, gathered, rank, h0, N, Hv, K, V, q.device)
     o = local.outputs(incoming)
     if initial_state is not None:
@@ -260,19 +260,20 @@ class _Slice:
         start[..., :K] = torch.eye(K, device=q.device)
         return api.linear_attention(q, k, v_aug, **gates, **self.common, initial_state=start)
 
-    def packets(self, count: int, Hv: int, K: int, V: int) -> torch.Tensor:
-        """``[count, Hv, K, K + V]``: per held piece ``[M | X]`` (M = 0 for a piece that starts its sequence)."""
-        parts = []
-        for i, piece in enumerate(self.held):
+    def packet(self, size: int) -> torch.Tensor:
+        """This rank's part of the exchange, flat float32 of `size` (`packet_size`'s maximum):
+        the M of each continued piece, then the X of every held piece in order (for a piece
+        that starts its sequence, the state after it), zero-padded."""
+        blocks = [self.aug_final[i][..., :self.k.shape[3]] for i in range(len(self.continued))]
+        for piece in self.held:
             if piece.continued:
-                parts.append(self.aug_final[self.continued.index(piece)])
+                blocks.append(self.aug_final[self.continued.index(piece)][..., self.k.shape[3]:])
             else:
-                fin = self.fresh_final[self.fresh.index(piece)]
-                parts.append(torch.cat([fin.new_zeros(Hv, K, K), fin], dim=-1))
-        pad = count - len(parts)
-        device = self.q.device
-        stacked = torch.stack(parts) if parts else torch.zeros(0, Hv, K, K + V, device=device)
-        return torch.cat([stacked, stacked.new_zeros(pad, Hv, K, K + V)]) if pad else stacked
+                blocks.append(self.fresh_final[self.fresh.index(piece)])
+        flat = [b.reshape(-1) for b in blocks]
+        used = sum(f.numel() for f in flat)
+        flat.append(torch.zeros(size - used, device=self.q.device))
+        return torch.cat(flat)
 
     def outputs(self, incoming: torch.Tensor | None) -> torch.Tensor:
         """``[B, T_r, Ho, V]``: the continued piece's outputs corrected by its incoming state."""
@@ -332,18 +333,26 @@ class _AllGather(torch.autograd.Function):
         return stacked[dist.get_rank(ctx.group)], None
 
 
+def packet_size(held: list[Piece], Hv: int, K: int, V: int) -> int:
+    """Floats in a rank's packet: ``Hv * K * K`` per continued piece, ``Hv * K * V`` per piece."""
+    return Hv * K * (K * sum(p.continued for p in held) + V * len(held))
+
+
 def _chain(table, gathered, rank, h0, N, Hv, K, V, device):
     """Walk each sequence's pieces in rank order: this rank's incoming states and every final state."""
-    by_sequence: list[list[tuple[int, int, Piece]]] = [[] for _ in range(N)]
+    by_sequence: list[list[tuple[torch.Tensor | None, torch.Tensor, int]]] = [[] for _ in range(N)]
     for r, held in enumerate(table):
+        continued = sum(p.continued for p in held)
+        ms = gathered[r][:continued * Hv * K * K].view(continued, Hv, K, K)
+        xs = gathered[r][continued * Hv * K * K:][:len(held) * Hv * K * V].view(len(held), Hv, K, V)
+        m = iter(ms)
         for i, piece in enumerate(held):
-            by_sequence[piece.sequence].append((r, i, piece))
+            by_sequence[piece.sequence].append((next(m) if piece.continued else None, xs[i], r))
     finals, incoming = [], []
     for s in range(N):
         S = h0[s] if h0 is not None else torch.zeros(Hv, K, V, device=device)
-        for r, i, piece in by_sequence[s]:
-            M, X = gathered[r][i][..., :K], gathered[r][i][..., K:]
-            if not piece.continued:
+        for M, X, r in by_sequence[s]:
+            if M is None:
                 S = X                                # its run started from the sequence's initial state
                 continue
             if r == rank:
