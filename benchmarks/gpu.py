@@ -66,7 +66,8 @@ SLOW_CALL_S = 0.5
 CORRECTNESS_SHARE = 0.3  # correctness cases stop at this share of the budget
 PREFILL_SHARE = 0.75   # prefill timings stop at this share of the budget, leaving time for decode
 
-SECTIONS = ("environment", "hbm copy bandwidth", "correctness", "prefill", "decode", "backward", "targets")
+SECTIONS = ("environment", "hbm copy bandwidth", "correctness", "prefill", "decode", "backward", "transformers",
+            "targets")
 
 # test.json cases for the correctness table: (name, dtypes). Every rule, g / gk / g+gk,
 # beta / erase+write, GVA, GQA, varlen with an empty sequence, slab with padding, layouts,
@@ -706,6 +707,62 @@ def section_backward(cfg, rep):
     rep.data["backward"] = {"correctness": rows, "timings": timings, "failed": failed}
 
 
+def section_transformers(cfg, rep):
+    """`deltarule bench --model qwen3_5`'s model (float32) on the device: greedy tokens and prefill
+    time with the linear layers on deltarule (`enable(cuda="deltarule")`: triton) and on fla
+    (`enable(cuda="fla")`, where installed), beside transformers' own torch fallback."""
+    import importlib.util
+
+    import transformers
+
+    import deltarule.integrations.transformers as dt
+    from deltarule.bench import model as bench_model
+
+    sizes = dict(bench_model.MODELS["qwen3_5"]["kwargs"])
+    if cfg.dry:
+        sizes.update(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=2, head_dim=64,
+                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                     linear_value_head_dim=32)
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**sizes)).to(cfg.device).eval()
+    gen = torch.Generator().manual_seed(0)
+    T = 128 if cfg.dry else 2048
+    prefill = torch.randint(3, sizes["vocab_size"], (1, T), generator=gen).to(cfg.device)
+    prompt = torch.randint(3, sizes["vocab_size"], (1, 64), generator=gen).to(cfg.device)
+
+    def run():
+        with torch.no_grad():
+            tokens = model.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+            forward = lambda: model(prefill, use_cache=True, logits_to_keep=1)  # noqa: E731
+            forward()
+            return tokens, bench_s(cfg, forward)
+
+    with dt.torch_fallback():
+        ref_tokens, t_ref = run()
+    rows = [("transformers fallback", "-", f"{t_ref * 1e3:.1f}", "1.00", "ok")]
+    for mode in ("deltarule", "fla"):
+        if mode == "fla" and (cfg.dry or importlib.util.find_spec("fla") is None):
+            reason = "dry run: CPU tensors always run on deltarule" if cfg.dry else "fla not installed"
+            rows.append((f'enable(cuda="{mode}")', "-", "-", "-", f"skipped: {reason}"))
+            continue
+        try:
+            dt.enable(cuda=mode)
+            tokens, t = run()
+            same = torch.equal(tokens, ref_tokens)
+            rows.append((f'enable(cuda="{mode}")', str(same), f"{t * 1e3:.1f}", f"{t_ref / t:.2f}",
+                         "ok" if same else "FAILED"))
+        except Exception as e:  # noqa: BLE001
+            rows.append((f'enable(cuda="{mode}")', "-", "-", "-", f"ERROR {type(e).__name__}: {_short(str(e))}"))
+        finally:
+            dt.disable()
+    rep.print(f"qwen3_5 ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, float32): greedy "
+              f"64 + 16 tokens, prefill T = {T} (one forward with a cache)")
+    rep.table(("linear layers on", "greedy tokens = fallback", "prefill ms", "speed-up", "status"), rows)
+    rep.data["transformers"] = {"rows": rows}
+    del model
+    free_memory(cfg)
+
+
 def section_targets(cfg, rep):
     label = cfg.primary[0]
     rows = []
@@ -773,7 +830,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds after which remaining timings are skipped (default 360, quick 150, dry 60)")
     ap.add_argument("--sections", default=",".join(s.split()[0] for s in SECTIONS),
-                    help="comma-separated subset of: environment,hbm,correctness,prefill,decode,backward,targets")
+                    help="comma-separated subset of: environment,hbm,correctness,prefill,decode,backward,"
+                         "transformers,targets")
     args = ap.parse_args(argv)
     cfg = Config(args)
     rep = Report()
@@ -782,7 +840,7 @@ def main(argv=None) -> int:
     rep.print(f"deltarule GPU check, {mode}, {time.strftime('%Y-%m-%d %H:%M:%S')}")
     funcs = {"environment": section_environment, "hbm copy bandwidth": section_copy,
              "correctness": section_correctness, "prefill": section_prefill, "decode": section_decode,
-             "backward": section_backward, "targets": section_targets}
+             "backward": section_backward, "transformers": section_transformers, "targets": section_targets}
     errors = 0
     for title in SECTIONS:
         if title.split()[0] not in wanted:
