@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import ContractError, Unsupported
 
