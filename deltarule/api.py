@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 
 import torch
 
+from . import aliasing
 from . import backends as _backends
 from . import batch as _batch
 from .batch import BatchPlan
@@ -24,6 +26,8 @@ from .problem import (
 )
 
 _DTYPE_NAMES = "float32, float16 or bfloat16"
+_FLOAT32 = struct.Struct("f")
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def linear_attention(
@@ -71,20 +75,24 @@ def linear_attention(
             or are a multiple of Hv == Hk (query head j reads state head
             j // (Hq // Hv), "GQA").
         rule: "linear" | "gated" | "delta" | "gated_delta" (default).
-        g: [B, T, Hv] scalar log-space decay (natural log), float32 (preferred),
-            float16 or bfloat16; the gates are used in float32.
+        g: [B, T, Hv] scalar log-space decay (natural log, <= 0: log(0.9), not
+            0.9; -inf resets the state), float32 (preferred), float16 or
+            bfloat16; the gates are used in float32. A positive value is
+            refused (the values are read: one device sync off the CPU).
             Present (alone or with `gk`) exactly for "gated" / "gated_delta".
-        gk: [B, T, Hv, K] per-key log-space decay (KDA). May come with `g`.
+        gk: [B, T, Hv, K] per-key log-space decay (KDA), <= 0 like `g`. May
+            come with `g`.
         beta: [B, T, Hv] erase = write rate. Exactly one of `beta` or the pair
             `erase` / `write` for "delta" / "gated_delta"; none otherwise.
         erase: [B, T, Hv, K] channel-wise erase gate (Gated DeltaNet-2).
         write: [B, T, Hv, V] channel-wise write gate (Gated DeltaNet-2).
-        scale: output scale, default K ** -0.5; must be finite.
+        scale: output scale, default K ** -0.5; must be finite in float32.
         initial_state: [N, Hv, K, V] ("kv") or [N, Hv, V, K] ("vk"), float32,
             bfloat16 or float16 (storage only: the state is float32 between a
             sequence's tokens, and stores round to nearest even); default
             zeros. With `state_indices` it is a slab [S, Hv, ...] updated IN
-            PLACE and returned; a device-resident slab
+            PLACE and returned: its elements may not share memory with each
+            other or with any input (docs/design.md, "Aliasing"); a device-resident slab
             (`deltarule.kernels.wgsl.WgslStateSlab`) runs on its own backend.
         state_layout: "kv" (default) or "vk", the layout of `initial_state`
             and of the returned state.
@@ -112,7 +120,7 @@ def linear_attention(
             (every layer of a decode step).
         qk_l2norm: L2-normalise q and k per head in float32:
             x * rsqrt(sum(x^2) + l2norm_eps).
-        l2norm_eps: default 1e-6.
+        l2norm_eps: default 1e-6; >= 0 and finite in float32.
         A_log: [Hv] float32 / float16 / bfloat16; with `dt_bias`, `g` (or `gk`) is the raw gate
             projection and the decay is -exp(A_log) * softplus(g + dt_bias),
             formed in float32.
@@ -131,7 +139,8 @@ def linear_attention(
     Raises:
         ContractError: any invalid argument, before any work; with inputs that
             require grad, also a slab (`state_indices`) or overlapping
-            `cu_seqlens` sequences (autograd cannot follow them).
+            `cu_seqlens` sequences (autograd cannot follow them); a slab that
+            overlaps itself or an input; a positive log decay.
         Unsupported: the named backend declines this valid call (e.g. it has no
             backward and an input requires grad).
 
@@ -182,13 +191,19 @@ def validate(
     q, k, v, *, rule="gated_delta", g=None, gk=None, beta=None, erase=None, write=None,
     scale=None, initial_state=None, state_layout="kv", cu_seqlens=None, seq_lens=None,
     state_indices=None, num_accepted_tokens=None, plan=None, qk_l2norm=False, l2norm_eps=1e-6, A_log=None,
-    dt_bias=None, beta_sigmoid=False, chunk_size=64,
+    dt_bias=None, beta_sigmoid=False, chunk_size=64, accept_growth=False,
 ) -> Problem:
     """Check every argument of `linear_attention`; return the `Problem`.
 
     Raises `ContractError` on the first invalid argument. Without `plan`,
     reads `cu_seqlens`, `seq_lens`, `state_indices` and `num_accepted_tokens`
-    to the host (`deltarule.batch.build`); touches nothing else.
+    to the host (`deltarule.batch.build`), and `g` / `gk` (their sign) unless
+    `accept_growth`; touches nothing else.
+
+    `accept_growth=True` accepts positive log decays (a state that grows):
+    the contract adapters of runtimes that accept them (ONNX, ONNX Runtime,
+    Ascend, the slab API, fla) pass it; `linear_attention` refuses them.
+    Run the result with `deltarule.backends.dispatch(problem, backend)`.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x, rank=4, dtypes=INPUT_DTYPES, dtype_names=_DTYPE_NAMES)
@@ -223,8 +238,9 @@ def validate(
 
     if scale is None:
         scale = K ** -0.5
-    if not _finite_real(scale):
-        raise ContractError("scale", "a finite real number or None", repr(scale))
+    if not finite_float32(scale):
+        raise ContractError("scale", f"a real number finite in float32 (|scale| <= {_FLOAT32_MAX:.8g}) or None",
+                            repr(scale))
 
     if state_layout not in LAYOUTS:
         raise ContractError("state_layout", " | ".join(repr(x) for x in LAYOUTS), repr(state_layout))
@@ -268,14 +284,21 @@ def validate(
     for name, flag in (("qk_l2norm", qk_l2norm), ("beta_sigmoid", beta_sigmoid)):
         if not isinstance(flag, bool):
             raise ContractError(name, "a bool", repr(flag))
-    if not _finite_real(l2norm_eps) or l2norm_eps < 0:
-        raise ContractError("l2norm_eps", "a finite number >= 0", repr(l2norm_eps))
+    if not finite_float32(l2norm_eps) or l2norm_eps < 0:
+        raise ContractError("l2norm_eps", f"a number >= 0 finite in float32 (<= {_FLOAT32_MAX:.8g})",
+                            repr(l2norm_eps))
     if beta_sigmoid and rule not in DELTA_RULES:
         raise ContractError("beta_sigmoid", f"False for rule {rule!r} (no beta)", True)
     _check_raw_gate(A_log, dt_bias, g=g, gk=gk, Hv=Hv, K=K, device=device)
 
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
         raise ContractError("chunk_size", "an int >= 1", repr(chunk_size))
+    if slab and isinstance(initial_state, torch.Tensor):
+        aliasing.check_written("initial_state", initial_state, (
+            ("q", q), ("k", k), ("v", v), ("g", g), ("gk", gk), ("beta", beta), ("erase", erase),
+            ("write", write), ("A_log", A_log), ("dt_bias", dt_bias)))
+    if not accept_growth and A_log is None:
+        _check_log_decay(g=g, gk=gk)
 
     requires_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad
@@ -302,6 +325,29 @@ def _check_differentiable(plan: BatchPlan) -> None:
     if plan.overlapping():
         raise ContractError("cu_seqlens", "sequences that do not overlap when an input requires grad",
                             "overlapping (clamped) sequences")
+
+
+def _check_log_decay(*, g, gk) -> None:
+    """g and gk are natural-log decays: a positive one (a state that grows, e.g. a decay of 0.9
+    passed where log(0.9) was meant) overflows to inf over a long sequence. Reads the values
+    (one device sync off the CPU); NaN is not positive (it propagates, as in the reference)."""
+    for name, x in (("g", g), ("gk", gk)):
+        if x is not None and x.numel() and bool((x > 0).any()):
+            where = tuple((x > 0).nonzero()[0].tolist())
+            raise ContractError(name, "log-space decays <= 0 (natural log of the decay factor, e.g. "
+                                "log(0.9), not 0.9; -inf resets the state)",
+                                f"{name}{list(where)} = {x[where].item():g}")
+
+
+def finite_float32(x) -> bool:
+    """A real number that float32, the precision of every kernel, holds as a finite value
+    (rounded: 1e39 is finite in float64 but inf in float32)."""
+    if not _finite_real(x):
+        return False
+    try:
+        return math.isfinite(_FLOAT32.unpack(_FLOAT32.pack(x))[0])     # packing rounds to float32
+    except OverflowError:                          # older Pythons raise instead of rounding to inf
+        return False
 
 
 def _finite_real(x) -> bool:

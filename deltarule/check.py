@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import time
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from . import api, reference
+from .backends import REGISTRY
 from .backends import names as backend_names
 from .cases import DTYPES, make_inputs, test_cases
 from .errors import Unsupported
@@ -61,7 +63,7 @@ def expected(args: dict) -> tuple[np.ndarray, np.ndarray]:
     they were, the final and per-token rows replaced by the sequences' states.
     """
     backend_free = {n: x for n, x in args.items() if n != "backend"}
-    p = api.validate(**backend_free)
+    p = api.validate(**backend_free, accept_growth=True)      # the oracle computes any log decay
     sol = reference.solve(p)
     return sol.o, reference.expected_state(p, sol).numpy()
 
@@ -92,42 +94,73 @@ def compare(case: dict, dtype: str, backend: str, device: str = "cpu") -> Result
                   tol + STORE_TOL[state_dtype], seconds)
 
 
+def _device(text: str) -> str:
+    """--device: cpu, or a CUDA device that exists here (argparse reports anything else,
+    exit status 2, instead of a traceback from the first tensor made there)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r} (cpu or cuda[:N])") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the cases run on cpu or cuda[:N]")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"no CUDA device {text!r} on this machine "
+                                         f"(torch {torch.__version__} sees {torch.cuda.device_count()})")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="torch", help="backend to check (default torch): "
-                        + ", ".join(("auto", *backend_names())))
+    parser.add_argument("--backend", default="torch", choices=("auto", *backend_names()),
+                        help="backend to check (default torch)")
     parser.add_argument("--dtype", choices=[*DTYPES, "all"], default="all",
                         help="input dtype (default: every dtype each case lists)")
     parser.add_argument("--case", action="append", default=None,
                         help="only cases whose name contains this (repeatable)")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", type=_device,
+                        help="where the inputs are made: cpu (default) or cuda[:N]")
     parser.add_argument("--peers", action="store_true",
                         help="also compare the contract adapters with ONNX Runtime, ONNX's reference "
                              "evaluator and flash-linear-attention (skipped where not installed)")
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run the selected cases; 0 only when something ran and nothing failed.
+
+    A check that ran nothing (no case selected, the backend unavailable here, or every call
+    declined) exits non-zero with a line saying why: it must not read as a pass.
+    """
+    selected = [(case, dtype) for case in test_cases()
+                if not args.case or any(s in case["name"] for s in args.case)
+                for dtype in case["dtypes"] if args.dtype in ("all", dtype)]
+    if not selected:
+        wanted = " ".join([*(f"--case {s!r}" for s in args.case or ()), f"--dtype {args.dtype}"])
+        print(f"deltarule check: no test.json case matches {wanted}", file=sys.stderr)
+        return 2
+    if args.backend != "auto" and (why := REGISTRY[args.backend].unavailable()) is not None:
+        print(f"deltarule check: backend {args.backend!r} is not available on this machine: {why}",
+              file=sys.stderr)
+        return 1
     results, declined = [], 0
     print(f"{'case':<44} {'dtype':<9} {'err(o)':>9} {'err(S)':>9} {'tol(o)':>8} {'tol(S)':>8}  result")
-    for case in test_cases():
-        if args.case and not any(s in case["name"] for s in args.case):
+    for case, dtype in selected:
+        try:
+            r = compare(case, dtype, args.backend, args.device)
+        except Unsupported as e:        # a backend may decline a valid call; it is not a pass
+            declined += 1
+            print(f"{case['name']:<44} {dtype:<9} {'':>9} {'':>9} {'':>8} {'':>8}  declined: {e}", flush=True)
             continue
-        dtypes = case["dtypes"] if args.dtype == "all" else [d for d in case["dtypes"] if d == args.dtype]
-        for dtype in dtypes:
-            try:
-                r = compare(case, dtype, args.backend, args.device)
-            except Unsupported as e:        # a backend may decline a valid call; it is not a pass
-                declined += 1
-                print(f"{case['name']:<44} {dtype:<9} {'':>9} {'':>9} {'':>8} {'':>8}  declined: {e}", flush=True)
-                continue
-            results.append(r)
-            verdict = "pass" if r.passed else "FAIL"
-            print(f"{r.case:<44} {r.dtype:<9} {r.err_o:9.2e} {r.err_state:9.2e} {r.tol:8.0e} {r.tol_state:8.1e}"
-                  f"  {verdict}", flush=True)
+        results.append(r)
+        verdict = "pass" if r.passed else "FAIL"
+        print(f"{r.case:<44} {r.dtype:<9} {r.err_o:9.2e} {r.err_state:9.2e} {r.tol:8.0e} {r.tol_state:8.1e}"
+              f"  {verdict}", flush=True)
     failed = sum(not r.passed for r in results)
     print(f"backend {args.backend}: {len(results) - failed} passed, {failed} failed, {declined} declined")
+    if not results:
+        print(f"deltarule check: nothing was checked: backend {args.backend!r} declined all {declined} "
+              "selected calls (the reasons are in the table)", file=sys.stderr)
     if args.peers:
         failed += _check_peers()
-    return 1 if failed else 0
+    return 1 if failed or not results else 0
 
 
 def _check_peers() -> int:

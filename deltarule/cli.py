@@ -40,6 +40,8 @@ def _info() -> int:
     for b in info():
         state = "available" if b["available"] else "not available"
         print(f"  {b['name']:<10} {state:<14} {b['description']}")
+        if not b["available"]:
+            print(f"  {'':<10} {'why:':<14} {b['unavailable']}")
         for feature, what in b["supports"].items():
             print(f"  {'':<10} {feature + ':':<14} {what}")
     return 0

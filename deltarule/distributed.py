@@ -15,13 +15,17 @@ as ``M``, the others as ``X``, and the extra output columns are
 ``scale * P_t^T q_t`` (``P_t`` the transition up to token t), so the true outputs
 are ``o_t = o0_t + S_in^T (scale * P_t^T q_t)``: no second pass over the tokens
 once the incoming state is known. One all-gather of ``X`` (``[K, V]``) per head and
-sequence piece and ``M`` (``[K, K]``) per continued piece (and one of three integers
-per rank) is all that is communicated: independent of T. The chain runs in float32 with no division, so strong decay
-(``M`` underflowing to 0) is safe.
+sequence piece and ``M`` (``[K, K]``) per continued piece (and a first all-gather of
+21 integers per rank: token count, status and a digest of the arguments the ranks must
+agree on) is all that is communicated: independent of T. The chain runs in float32
+with no division, so strong decay (``M`` underflowing to 0) is safe.
 """
 
 from __future__ import annotations
 
+import array
+import hashlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -112,8 +116,8 @@ def linear_attention(
             may hold no token of a sequence. None: each of the B rows is one
             sequence split along T.
         initial_state: ``[N, Hv, K, V]`` (``[N, Hv, V, K]`` with ``state_layout="vk"``),
-            the same on every rank; None starts from zero.
-        A_log, dt_bias: the same on every rank.
+            the same on every rank (its values are compared); None starts from zero.
+        A_log, dt_bias: the same on every rank (compared).
         Not accepted: ``seq_lens``, ``state_indices``, ``num_accepted_tokens`` and
         ``plan`` (serving arguments; a slab is updated in place on one device).
 
@@ -130,7 +134,10 @@ def linear_attention(
     does its parameters'.
 
     Raises `deltarule.ContractError` before any computation, on every rank when any
-    rank's arguments are invalid (so that no rank waits in a collective).
+    rank's arguments are invalid or when the ranks disagree on an argument that must be
+    the same on every rank (`AGREED`: the shapes but T, dtypes, gate forms, scalars,
+    ``cu_seqlens``, ``A_log`` / ``dt_bias`` / ``initial_state`` values; the error names the
+    argument and the ranks), so that no rank waits in a collective or aborts in one.
 
     Example (``torchrun --nproc-per-node 2 examples/context_parallel.py``)::
 
@@ -143,25 +150,34 @@ def linear_attention(
     gates = dict(g=g, gk=gk, beta=beta, erase=erase, write=write)
     common = dict(rule=rule, scale=scale, qk_l2norm=qk_l2norm, l2norm_eps=l2norm_eps, A_log=A_log,
                   dt_bias=dt_bias, beta_sigmoid=beta_sigmoid, chunk_size=chunk_size, backend=backend)
-    failure = _check_local(q, k, v, gates, common, initial_state, state_layout, cu_seqlens)
+    failure, cu = _check_local(q, k, v, gates, common, initial_state, state_layout, cu_seqlens)
     differentiable = failure is None and torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad
         for x in (q, k, v, *gates.values(), initial_state, A_log, dt_bias))
-    # One small collective carries every rank's token count, whether its arguments passed and
-    # whether it needs gradients (then every rank takes part in the backward's collective).
-    tokens = q.shape[1] if failure is None else 0            # a refused q may have no token axis
+    # One small collective of a fixed size carries every rank's token count, whether its
+    # arguments passed, whether it needs gradients (then every rank takes part in the
+    # backward's collective) and a digest of every argument the ranks must agree on: every
+    # rank raises the same error before any collective whose size depends on the arguments.
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-    mine = torch.tensor([tokens, failure is not None, differentiable], dtype=torch.int64, device=device)
+    if failure is None:
+        head = torch.tensor([q.shape[1], 0, differentiable], dtype=torch.int64, device=device)
+        mine = torch.cat([head, _digest(q, k, v, gates, common, initial_state, state_layout, cu)])
+    else:                                                    # a refused q may have no token axis
+        mine = torch.zeros(3 + len(AGREED), dtype=torch.int64, device=device)
+        mine[1] = 1
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
-    lengths = [int(x[0]) for x in everyone]
-    refused = [r for r, x in enumerate(everyone) if int(x[1])]
-    differentiable = any(int(x[2]) for x in everyone)
+    heads = torch.stack(everyone).tolist()                  # one read to the host
+    lengths = [x[0] for x in heads]
+    refused = [r for r, x in enumerate(heads) if x[1]]
+    differentiable = any(x[2] for x in heads)
     if failure is not None:
         raise failure
     if refused:
         raise ContractError("group", "valid arguments on every rank", f"rank(s) {refused} refused theirs")
-    cu = None if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()]
+    disagreement = _disagreement([x[3:] for x in heads])
+    if disagreement is not None:
+        raise disagreement
     if cu is not None and cu[-1] != sum(lengths):
         raise ContractError("cu_seqlens", f"ending at the ranks' total token count {sum(lengths)} "
                             f"(slices of {lengths})", cu[-1])
@@ -184,8 +200,11 @@ def linear_attention(
     return o, finals
 
 
-def _check_local(q, k, v, gates, common, initial_state, state_layout, cu_seqlens) -> ContractError | None:
-    """This rank's argument errors, as `linear_attention` would raise them (None: valid)."""
+def _check_local(q, k, v, gates, common, initial_state, state_layout, cu_seqlens
+                 ) -> tuple[ContractError | None, list[int] | None]:
+    """This rank's argument errors, as `linear_attention` would raise them (None: valid), and
+    the offsets of `cu_seqlens` read to the host (None without it or when invalid)."""
+    cu = None
     try:
         kernel_args = {n: x for n, x in common.items() if n != "backend"}
         api.validate(q, k, v, **gates, **kernel_args)
@@ -196,7 +215,7 @@ def _check_local(q, k, v, gates, common, initial_state, state_layout, cu_seqlens
                     or cu_seqlens.is_floating_point():
                 raise ContractError("cu_seqlens", "a 1-D integer tensor [N + 1]",
                                     getattr(cu_seqlens, "shape", type(cu_seqlens).__name__))
-            cu = cu_seqlens.tolist()
+            cu = [int(x) for x in cu_seqlens.tolist()]
             if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
                 raise ContractError("cu_seqlens", "non-decreasing offsets from 0", cu if len(cu) < 16 else "...")
         N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -210,9 +229,186 @@ def _check_local(q, k, v, gates, common, initial_state, state_layout, cu_seqlens
                                     tuple(getattr(initial_state, "shape", ())))
             if initial_state.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                 raise ContractError("initial_state", "dtype float32, float16 or bfloat16", initial_state.dtype)
+            if initial_state.device != q.device:
+                raise ContractError("initial_state", f"on q's device {q.device}", initial_state.device)
     except ContractError as error:
-        return error
-    return None
+        return error, None
+    return None, cu
+
+
+# The arguments every rank must pass alike, in the order a difference is reported (the first
+# that differs names the error: a different Hv shows in v, then in g, beta, ...), and what of
+# each must agree. Left out: the token axis T_r, the device (its index differs between ranks;
+# the hashes do not depend on it), and `chunk_size` and `backend`: they choose how a rank
+# computes its slice, not what (the results agree to rounding), and a rank may pick its own.
+AGREED = (
+    ("q", "shape (all but T) and dtype"),
+    ("k", "shape (all but T) and dtype"),
+    ("v", "shape (all but T) and dtype"),
+    ("g", "presence, shape (all but T) and dtype"),
+    ("gk", "presence, shape (all but T) and dtype"),
+    ("beta", "presence, shape (all but T) and dtype"),
+    ("erase", "presence, shape (all but T) and dtype"),
+    ("write", "presence, shape (all but T) and dtype"),
+    ("rule", "value"),
+    ("scale", "value (None means K ** -0.5)"),
+    ("qk_l2norm", "value"),
+    ("l2norm_eps", "value"),
+    ("beta_sigmoid", "value"),
+    ("state_layout", "value"),
+    ("A_log", "presence, shape, dtype and values"),
+    ("dt_bias", "presence, shape, dtype and values"),
+    ("cu_seqlens", "presence and values (the global offsets)"),
+    ("initial_state", "presence, shape, dtype and values"),
+)
+
+
+def _digest(q, k, v, gates, common, initial_state, state_layout, cu) -> torch.Tensor:
+    """``[len(AGREED)]`` int64 on q's device: a 64-bit hash of each agreed argument (of a rank
+    whose arguments are valid).
+
+    Descriptions (shapes but T, dtypes, presence, the scalars, the offsets) are hashed on the
+    host: blake2b of their repr, exact (floats by ``float.hex``) and the same in every process
+    (Python's ``hash`` of a str is salted per process). Tensor values: `_value_hash`."""
+    def meta(x, token_axis=False):
+        if x is None:
+            return None
+        shape = list(x.shape)
+        if token_axis:
+            del shape[1]
+        return tuple(shape), str(x.dtype)
+
+    scale = common["scale"] if common["scale"] is not None else k.shape[3] ** -0.5
+    described = dict(q=meta(q, True), k=meta(k, True), v=meta(v, True),
+                     **{n: meta(x, True) for n, x in gates.items()},
+                     rule=common["rule"], scale=float(scale).hex(), qk_l2norm=bool(common["qk_l2norm"]),
+                     l2norm_eps=float(common["l2norm_eps"]).hex(), beta_sigmoid=bool(common["beta_sigmoid"]),
+                     state_layout=state_layout, A_log=meta(common["A_log"]), dt_bias=meta(common["dt_bias"]),
+                     cu_seqlens=cu, initial_state=meta(initial_state))
+    on_device = {}
+    for name, x in (("A_log", common["A_log"]), ("dt_bias", common["dt_bias"]), ("initial_state", initial_state)):
+        if x is not None:
+            h = _value_hash(x)
+            if isinstance(h, int):
+                described[name] = (described[name], h)
+            else:
+                on_device[name] = h
+    digest = torch.tensor([_host_hash(repr(described[name])) for name, _ in AGREED], dtype=torch.int64,
+                          device=q.device)
+    for i, (name, _) in enumerate(AGREED):
+        if name in on_device:
+            digest[i] ^= on_device[name].to(q.device)
+    return digest
+
+
+def _host_hash(data: str | bytes) -> int:
+    """A signed 64-bit hash of `data`, the same in every process (blake2b)."""
+    if isinstance(data, str):
+        data = data.encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+def _disagreement(digests: list[list[int]]) -> ContractError | None:
+    """The error every rank raises when the ranks' digests differ (None: they agree): it names
+    the first argument (in `AGREED`'s order) that differs and groups the ranks by its value."""
+    differing = [i for i in range(len(AGREED)) if len({d[i] for d in digests}) > 1]
+    if not differing:
+        return None
+    name, what = AGREED[differing[0]]
+    groups: dict[int, list[int]] = {}
+    for rank, d in enumerate(digests):
+        groups.setdefault(d[differing[0]], []).append(rank)
+    majority = max(groups.values(), key=len)              # ties: the group of rank 0 (the first)
+
+    def ranks(rs):
+        return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
+
+    actual = "; ".join(f"{ranks(rs)} {'differs' if len(rs) == 1 else 'differ'} from {ranks(majority)}"
+                       for rs in groups.values() if rs is not majority)
+    also = [AGREED[i][0] for i in differing[1:]]
+    if also:
+        actual += f" (also differing: {', '.join(also)})"
+    return ContractError(name, f"the same {what} on every rank", actual)
+
+
+_WORDS = 1 << 16               # words per chunk of `tensor_hash`
+_hash_weights: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _weights(count: int, tag: bytes, typecode: str) -> torch.Tensor:
+    """The first `count` of a fixed sequence of odd integers (int32 for typecode "i", int64 for
+    "q"), the same in every process (shake_256's output; a longer one extends a shorter one)."""
+    values = array.array(typecode, hashlib.shake_256(b"deltarule.distributed " + tag).digest(
+        count * array.array(typecode).itemsize))
+    if sys.byteorder == "big":
+        values.byteswap()
+    return torch.tensor(values, dtype=torch.int32 if typecode == "i" else torch.int64) | 1
+
+
+def _hash_weights_on(device: torch.device, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tensor_hash`'s word weights ``[2, 2^16]`` and at least `chunks` chunk weights, kept per device."""
+    kept = _hash_weights.get(device)
+    if kept is None or kept[1].numel() < chunks:
+        words = kept[0] if kept else _weights(2 * _WORDS, b"words", "i").view(2, _WORDS).to(device)
+        kept = _hash_weights[device] = words, _weights(max(chunks, 64), b"chunks", "q").to(device)
+    return kept
+
+
+def tensor_hash(x: torch.Tensor) -> torch.Tensor:
+    """A 64-bit hash of x's values (its bits in logical order), a 0-d int64 tensor on x's device.
+
+    Torch ops on x's device: no copy to the host, no synchronization. x's bits are read as
+    integer words ``w_i`` (int16 for 16-bit dtypes, int32 for 32-bit, two int32 per 64-bit
+    element); each chunk c of 2^16 words gives two 32-bit sums ``l_c, h_c = sum_i w_i a_i,
+    sum_i w_i a'_i (mod 2^32)``, joined into ``s_c = h_c 2^32 + l_c``, and the hash is
+    ``sum_c s_c b_c (mod 2^64)``, with fixed odd weights ``a, a'`` (int32) and ``b`` (int64)
+    drawn from shake_256. Integer arithmetic wraps and is exact, so the result depends neither
+    on the order of the reduction nor on the device. A change of one element is detected for
+    certain for 8-, 16- and 32-bit dtypes (a nonzero difference times an odd weight is
+    nonzero modulo a power of two); changes of several elements (or both words of a 64-bit
+    one) cancel only by chance (~2^-64 for unstructured ones). Shapes and dtypes are not in
+    it (the caller hashes them). Cost: two multiplies and two sums per word, through a
+    reused buffer of 4 chunks on the CPU (1 MiB: it stays in cache).
+    """
+    flat = x.detach().contiguous().view(-1)
+    words = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}[flat.element_size()])
+    device = words.device
+    full, tail = divmod(words.numel(), _WORDS)
+    weights, chunk_weights = _hash_weights_on(device, full + 1)
+    sums = torch.empty(2, full + 1, dtype=torch.int32, device=device)
+    if full:
+        rows = words[:full * _WORDS].view(full, _WORDS)
+        step = 4 if device.type == "cpu" else 128             # chunks per step (GPU: fewer launches)
+        products = torch.empty(min(full, step), _WORDS, dtype=torch.int32, device=device)
+        wide = None if words.dtype == torch.int32 else torch.empty_like(products)
+        for lo in range(0, full, step):
+            block = rows[lo:lo + step]
+            n = block.shape[0]
+            if wide is not None:
+                block = wide[:n].copy_(block)                   # sign-extended: one-to-one
+            for j in (0, 1):                                     # int32 products and sums wrap (mod 2^32)
+                torch.mul(block, weights[j], out=products[:n])
+                torch.sum(products[:n], 1, dtype=torch.int32, out=sums[j, lo:lo + n])
+    sums[:, full] = (words[full * _WORDS:].to(torch.int32) * weights[:, :tail]).sum(1, dtype=torch.int32)
+    low, high = sums.long()
+    chunk = high * (1 << 32) + (low & 0xFFFFFFFF)             # one-to-one from the two 32-bit sums
+    return (chunk * chunk_weights[:full + 1]).sum()
+
+
+_HOST_HASHED_BYTES = 1 << 16
+
+
+def _value_hash(x: torch.Tensor) -> torch.Tensor | int:
+    """x's values hashed: up to 64 KiB blake2b of its bytes on the host (a few microseconds;
+    on a GPU a small copy that synchronizes), larger ones `tensor_hash` on x's device (a dozen
+    torch calls of fixed cost, then ~1-2 GB/s per CPU thread here). The choice depends on the
+    size only, which the caller's hash of the shape and dtype already compares across ranks."""
+    if x.numel() * x.element_size() > _HOST_HASHED_BYTES:
+        return tensor_hash(x)
+    flat = x.detach().contiguous().view(-1)
+    words = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    host = words.cpu().numpy()
+    return _host_hash(host.astype(host.dtype.newbyteorder("<"), copy=False).tobytes())
 
 
 class _Slice:

@@ -204,8 +204,13 @@ def differentiable(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
                 qt = q[span.row, t][query_heads]
                 rows[span.row][t] = p.scale * torch.einsum("hgk,hkv->hgv", qt, S).reshape(p.Ho, p.V)
         finals.append(S)
-    o = torch.stack([torch.stack(r) for r in rows]) if p.T else q.new_zeros(p.B, 0, p.Ho, p.V)
-    return o, torch.stack(finals) if finals else q.new_zeros(0, Hv, p.K, p.V)
+    o = torch.stack([torch.stack(r) for r in rows]) if p.T and p.B else q.new_zeros(p.B, p.T, p.Ho, p.V)
+    finals = torch.stack(finals) if finals else q.new_zeros(0, Hv, p.K, p.V)
+    # A call with no work (no sequence, no token) still answers in the graph, as every backend
+    # does: its gradients are zeros, not missing. An empty slice of each input sums to an exact 0.
+    anchor = sum(x.reshape(-1)[:0].sum() for x in p.differentiable_inputs()
+                 if x is not None and x.requires_grad)
+    return o + anchor, finals + anchor
 
 
 def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:

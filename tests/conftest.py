@@ -7,6 +7,7 @@ if not torch.cuda.is_available():
     # anything (fla's tests included) imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib
 import importlib.util
 import zlib
 
@@ -128,16 +129,26 @@ def rel(x, ref) -> float:
     return float(np.linalg.norm(x - ref) / den)
 
 
-@pytest.fixture
-def nan_poison():
-    """Uninitialised torch memory reads as NaN: an unwritten output element shows up."""
+@contextlib.contextmanager
+def uninitialised_memory_is_nan():
+    """torch.empty memory reads as NaN inside: an output element a backend skips shows up
+    (a context manager for hypothesis tests, whose examples share one fixture call)."""
     previous = torch.are_deterministic_algorithms_enabled()
     fill = torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = True
-    yield
-    torch.use_deterministic_algorithms(previous)
-    torch.utils.deterministic.fill_uninitialized_memory = fill
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+@pytest.fixture
+def nan_poison():
+    """Uninitialised torch memory reads as NaN: an unwritten output element shows up."""
+    with uninitialised_memory_is_nan():
+        yield
 
 
 def require_triton():

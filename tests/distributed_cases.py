@@ -6,7 +6,9 @@ Every rank builds each case's global inputs from its seed, runs the single-proce
 `deltarule.linear_attention` over all tokens (the reference: it is itself tested
 against the float64 oracle), then `deltarule.distributed.linear_attention` on its
 slice, and writes the relative errors of its outputs, of the final states and (grad
-cases) of its gradients to OUT_DIR/rank{RANK}.json.
+cases) of its gradients to OUT_DIR/rank{RANK}.json. Then the refusals: invalid arguments
+on one rank (REFUSALS) and ranks that disagree on an argument (DISAGREEMENTS), where
+every rank must raise `ContractError`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ CASES = {
     "grad-padded-gdn2-B1-T37": dict(B=1, T=37, gates="gdn2", split="ragged", h0="kv", grad=True),
     "grad-packed-kda": dict(cu=[20, 0, 31, 6], gates="kda", split="ragged", h0="kv", grad=True),
     "grad-packed-alog": dict(cu=[9, 41], gates="alog", split="even", grad=True),
+    # rank 1 passes the same problem differently: scale K ** -0.5 instead of None, another
+    # chunk_size and backend (scheduling choices, free per rank), int32 cu_seqlens and a
+    # non-contiguous initial_state with the same values: the cross-rank check must accept
+    # them (the state, 448 KiB, is hashed on its device, not on the host)
+    "packed-gdn-equivalent-args-on-rank-1": dict(cu=[5, 0, 37, 4, 1, 28, 15], K=64, V=64, gates="gdn", split="even",
+                                                 h0="kv", rank1="equivalent"),
 }
 TOL = 1e-5
 GRAD_TOL = 1e-4
@@ -147,7 +155,14 @@ def run_case(name: str, rank: int, world: int) -> dict:
     ref_o, ref_state = deltarule.linear_attention(**full, backend="cpu")
     mine = {n: x.detach().clone().requires_grad_(True) if n in leaves else x
             for n, x in _slice(args, lo, hi).items()}
-    o, state = deltarule.distributed.linear_attention(**mine, backend="cpu")
+    mine["backend"] = "cpu"
+    if case.get("rank1") == "equivalent" and rank == 1:
+        state = mine["initial_state"]
+        mine.update(scale=args["k"].shape[3] ** -0.5, chunk_size=16, backend="torch",
+                    cu_seqlens=mine["cu_seqlens"].to(torch.int32),
+                    initial_state=state.transpose(-1, -2).contiguous().transpose(-1, -2))
+        assert not mine["initial_state"].is_contiguous()
+    o, state = deltarule.distributed.linear_attention(**mine)
     result = {"o": _rel(o, ref_o[:, lo:hi]), "state": _rel(state, ref_state), "counts": counts,
               "o_shape": list(o.shape), "state_dtype": str(state.dtype)}
     if grad:
@@ -194,22 +209,92 @@ def run_refusal(name: str, rank: int, world: int) -> dict:
     return {"argument": None}
 
 
+# Ranks that disagree on an argument: every rank must raise ContractError naming it (and no
+# rank may abort inside gloo or wait in a collective). name -> (the argument named, the
+# global inputs every rank slices, the change the differing rank makes to them, that rank:
+# -1 the last). Each differing rank's own arguments are valid.
+_PACKED = dict(cu=[10, 30], gates="gdn", h0="kv")                # 40 tokens, 2 sequences
+_PADDED = dict(B=2, T=40, gates="gdn", h0="kv")
+_ALOG = dict(cu=[10, 30], gates="alog", h0="kv")
+
+
+def _flip_bit(x: torch.Tensor, index: int) -> torch.Tensor:
+    """x with the lowest bit of one element flipped (one ulp: no float sum would see it)."""
+    y = x.clone()
+    bits = y.view(torch.int16 if y.element_size() == 2 else torch.int32).view(-1)
+    bits[index] ^= 1
+    return y
+
+
+DISAGREEMENTS = {
+    "Hv": ("v", _PACKED, lambda a: inputs(dict(_PACKED, Hv=2)), 1),
+    "K": ("q", _PACKED, lambda a: inputs(dict(_PACKED, K=8)), 1),
+    "V": ("v", _PACKED, lambda a: inputs(dict(_PACKED, V=8)), -1),
+    "B-padded-rows": ("q", _PADDED, lambda a: inputs(dict(_PADDED, B=3)), 1),
+    "cu_seqlens": ("cu_seqlens", _PACKED, lambda a: dict(a, cu_seqlens=torch.tensor([0, 11, 40])), 0),
+    "dtype": ("q", _PACKED, lambda a: dict(a, **{n: a[n].to(torch.bfloat16) for n in ("q", "k", "v")}), 1),
+    "scale": ("scale", _PACKED, lambda a: dict(a, scale=0.5), 1),
+    "qk_l2norm": ("qk_l2norm", _PACKED, lambda a: dict(a, qk_l2norm=False), 1),
+    "l2norm_eps": ("l2norm_eps", _PACKED, lambda a: dict(a, l2norm_eps=1e-5), 1),
+    "initial_state-one-bit": ("initial_state", _PACKED,
+                              lambda a: dict(a, initial_state=_flip_bit(a["initial_state"], 1000)), -1),
+    # 256 KiB: hashed on its device (`tensor_hash`), not on the host
+    "initial_state-one-bit-large": ("initial_state", dict(_PACKED, K=64, V=128),
+                                    lambda a: dict(a, initial_state=_flip_bit(a["initial_state"], 40000)), -1),
+    "initial_state-absent": ("initial_state", _PACKED, lambda a: {n: x for n, x in a.items() if n != "initial_state"},
+                             1),
+    "gk-present": ("gk", _PACKED, lambda a: dict(a, gk=-0.1 * torch.ones(*a["g"].shape, a["q"].shape[3])), 1),
+    "A_log-one-bit": ("A_log", _ALOG, lambda a: dict(a, A_log=_flip_bit(a["A_log"], 2)), 1),
+    "beta_sigmoid": ("beta_sigmoid", _ALOG, lambda a: dict(a, beta_sigmoid=False), 1),
+}
+
+
+def run_disagreement(name: str, rank: int, world: int) -> dict:
+    import deltarule
+    import deltarule.distributed
+
+    _, base, change, differing = DISAGREEMENTS[name]
+    args = inputs(base)
+    if rank == differing % world:
+        args = change(args)
+    counts = split(40, world, "even")
+    lo = sum(counts[:rank])
+    try:
+        deltarule.distributed.linear_attention(**_slice(args, lo, lo + counts[rank]), backend="cpu")
+    except deltarule.ContractError as error:
+        return {"argument": error.argument, "message": str(error)}
+    return {"argument": None}
+
+
 def main(rank: int, world: int, port: int, out: str) -> int:
+    """Runs every case and writes OUT/rank{RANK}.json after each (a process that dies keeps
+    the results before it). A collective waits at most 120 s (gloo's default: 30 min)."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
     results = {}
-    for name in CASES:
+    path = Path(out, f"rank{rank}.json")
+
+    def record(name, run):
         try:
-            results[name] = run_case(name, rank, world)
+            results[name] = run(name, rank, world)
         except Exception:                                   # reported per case by the test
             results[name] = {"error": traceback.format_exc()}
+        path.with_suffix(".tmp").write_text(json.dumps(results))
+        path.with_suffix(".tmp").replace(path)
+
+    for name in CASES:
+        record(name, run_case)
     for name in REFUSALS:
-        results[name] = run_refusal(name, rank, world)
+        record(name, run_refusal)
+    for name in DISAGREEMENTS:
+        record(name, run_disagreement)
     dist.barrier()
     dist.destroy_process_group()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     return 0
 
 

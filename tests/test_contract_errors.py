@@ -53,6 +53,25 @@ def slab_args(**overrides):
     return valid_args(**{"initial_state": t(SLOTS, H, K, V), "state_indices": ints(2, 0), **overrides})
 
 
+def aliased(name: str) -> dict:
+    """A slab call whose input `name` is a view of slab row 3 (which the call does not address:
+    the rows' memory is still one buffer the call writes)."""
+    slab = t(SLOTS, H, K, V)
+    row = slab[3].view(-1)
+    gates = dict(beta=None, erase=torch.rand(B, T, H, K), write=torch.rand(B, T, H, V)) \
+        if name in ("erase", "write") else {}
+    if name == "A_log":
+        gates.update(A_log=row[:H], dt_bias=t(H))
+    shape = {"q": (B, T, H, K), "k": (B, T, H, K), "v": (B, T, H, V), "g": (B, T, H), "beta": (B, T, H),
+             "erase": (B, T, H, K), "write": (B, T, H, V)}.get(name)
+    if shape is not None:
+        gates[name] = row[:1].expand(shape) if name != "g" else -row[:1].abs().expand(shape)
+    if name == "g":
+        row.abs_().neg_()                           # a valid log decay that is also slab memory
+        gates["g"] = row[:1].expand(shape)
+    return dict(initial_state=slab, state_indices=ints(0, 1), **gates)
+
+
 def case(id, match, **spec):
     """One invalid call: `spec` goes to `valid_args`; `match` must hit the message."""
     return pytest.param(spec, match, id=id)
@@ -152,6 +171,17 @@ CASES = [
     case("scale-complex", r"^scale: .*real number.*1j", scale=1j),
     case("scale-bool", r"^scale: .*real number.*True", scale=True),
     case("scale-huge-int", r"^scale: .*finite", scale=10**400),
+    case("scale-inf-in-float32", r"^scale: .*finite in float32.*1e\+39", scale=1e39),      # finite in float64
+    case("scale-minus-inf-in-float32", r"^scale: .*finite in float32.*-3\.5e\+38", scale=-3.5e38),
+    # --- log decays: natural logs, never positive (issue 19: g=0.9 meant log(0.9)) --------
+    case("g-positive", r"^g: .*log-space decays <= 0.*log\(0\.9\).*g\[0, 0, 0\] = 0\.9$",
+         g=torch.full((B, T, H), 0.9)),
+    case("g-one-positive-value", r"^g: .*<= 0.*g\[1, 2, 0\] = 1e-07",
+         g=(-torch.rand(B, T, H)).index_put_((torch.tensor(1), torch.tensor(2), torch.tensor(0)), torch.tensor(1e-7))),
+    case("g-plus-inf", r"^g: .*<= 0.*= inf", g=torch.full((B, T, H), float("inf"))),
+    case("gk-positive", r"^gk: .*log-space decays <= 0.*gk\[0, 0, 0, 0\] = 0\.5",
+         g=None, gk=torch.full((B, T, H, K), 0.5)),
+    case("g-bfloat16-positive", r"^g: .*<= 0", g=torch.full((B, T, H), 0.25, dtype=torch.bfloat16)),
     # --- initial_state and state_layout -----------------------------------------------
     case("initial_state-kv-given-vk-shape", r"^initial_state: .*K, V.*\(2, 2, 5, 4\)",
          initial_state=t(B, H, V, K)),
@@ -205,6 +235,19 @@ CASES = [
     slab_case("state_indices-list", r"^state_indices: .*torch\.Tensor.*list", state_indices=[0, 1]),
     slab_case("slab-wrong-tail", r"^initial_state: .*\[S, Hv, K, V\].*\(4, 2, 5, 4\)",
               initial_state=t(SLOTS, H, V, K), state_indices=ints(0, 1)),
+    # --- aliasing: a slab is written after the inputs are read (docs/design.md, "Aliasing") --
+    slab_case("slab-expanded-rows", r"^initial_state: .*do not share memory.*strides \(0, 20, 5, 1\)",
+              initial_state=t(1, H, K, V).expand(SLOTS, H, K, V), state_indices=ints(0, 1)),
+    slab_case("slab-overlapping-rows", r"^initial_state: .*do not share memory.*strides \(20, 20, 5, 1\)",
+              initial_state=t(200).as_strided((SLOTS, H, K, V), (K * V, K * V, V, 1)), state_indices=ints(0, 1)),
+    slab_case("slab-stride-0-heads", r"^initial_state: .*do not share memory.*strides \(20, 0, 5, 1\)",
+              initial_state=t(SLOTS, 1, K, V).expand(SLOTS, H, K, V), state_indices=ints(0, 1)),
+    slab_case("slab-vk-expanded", r"^initial_state: .*do not share memory",
+              initial_state=t(SLOTS, H, 1, K).expand(SLOTS, H, V, K), state_layout="vk", state_indices=ints(0, 1)),
+    *(slab_case(f"{name}-view-of-a-slab-row", rf"^initial_state: .*no input shares.*got {name} shares",
+                **aliased(name)) for name in ("q", "k", "v", "g", "beta", "erase", "write")),
+    slab_case("slab-row-view-of-A_log", r"^initial_state: .*no input shares.*got A_log shares",
+              **aliased("A_log")),
     # --- speculative decoding: 2-D state_indices [N, L], num_accepted_tokens -----------
     slab_case("state_indices-2d-wrong-N", r"^state_indices: .*\[2\] or shape \[2, L\].*\[3, 3\]",
               state_indices=ints(0, 1, 2, 3, -1, -1, -1, -1, -1).view(3, 3)),
@@ -291,6 +334,7 @@ CASES = [
     case("l2norm_eps-str", r"^l2norm_eps: .*'1e-6'", l2norm_eps="1e-6"),
     case("l2norm_eps-bool", r"^l2norm_eps: .*True", l2norm_eps=True),
     case("l2norm_eps-huge-int", r"^l2norm_eps: .*finite", l2norm_eps=10**400),
+    case("l2norm_eps-inf-in-float32", r"^l2norm_eps: .*finite in float32.*1e\+39", qk_l2norm=True, l2norm_eps=1e39),
 ]
 
 

@@ -376,7 +376,18 @@ ERRORS = {
     "scale-inf": (lambda x: dict(scale_value=float("inf")), "scale_value"),
     "scale-string": (lambda x: dict(scale_value="0.5"), "scale_value"),
     "scale-bool": (lambda x: dict(scale_value=True), "scale_value"),
+    "scale-inf-in-float32": (lambda x: dict(scale_value=-1e39), "scale_value"),
+    # the slab is written after the inputs are read: it may not overlap itself or any of them
+    "state-expanded-rows": (lambda x: dict(state=x["state"][:1].expand(8, 4, 6, 8)), "state"),
+    "key-view-of-a-state-row": (lambda x: dict(key=x["state"][7, :2, :5].transpose(0, 1)), "state"),
+    "gk-view-of-the-state": (lambda x: _gk_in_a_float32_slab(x), "state"),
 }
+
+
+def _gk_in_a_float32_slab(x):
+    """A float32 slab (BlockNum = 8, Nv = 4, Dv = 6, Dk = 8) whose row 0 also serves as gk (5, 4, 8)."""
+    slab = x["state"].float()
+    return dict(state=slab, gk=slab[0, :, :5].transpose(0, 1))
 
 
 @pytest.mark.parametrize("case", list(ERRORS))

@@ -14,7 +14,6 @@ section 7), and `test_bound_discriminates` checks that the comparisons fail on
 a wrong mapping.
 """
 
-import functools
 import inspect
 import warnings
 
@@ -437,6 +436,30 @@ def test_contract_errors():
            cu_seqlens=torch.tensor([0, 5, 37]), cu_seqlens_cpu=torch.tensor([0, 6, 37]))
 
 
+@pytest.mark.parametrize("name, chunk_size, match", [
+    # the regexes of fla's own tests (tests/ops/test_kda.py, test_gdn2.py: test_chunk_invalid_chunk_size),
+    # which run against these drop-ins; fla's test_gdn.py has none, its message is fla's raise
+    ("chunk_kda", 16, r"`chunk_size` must be either 32 or 64"),
+    ("chunk_gdn2", 16, r"`chunk_size` must be 64 for GDN-2"),
+    ("chunk_gdn2", 32, r"`chunk_size` must be 64 for GDN-2"),
+    ("chunk_gated_delta_rule", 8, r"`chunk_size` must be 16, 32, or 64 for Gated Delta Rule"),
+])
+def test_invalid_chunk_size_is_worded_as_fla_words_it(name, chunk_size, match):
+    """A ContractError (a ValueError, as fla raises) whose message is fla's own, word for word."""
+    x = inputs(23, B=1, T=64, H=2)
+    args = {"chunk_kda": (x["q"], x["k"], x["v"], x["gk"], x["beta"]),
+            "chunk_gdn2": (x["q"], x["k"], x["v"], x["gk"], x["b"], x["w"]),
+            "chunk_gated_delta_rule": (x["q"], x["k"], x["v"], x["g"], x["beta"])}[name]
+    with pytest.raises(ValueError, match=match) as ours:
+        getattr(dfla, name)(*args, chunk_size=chunk_size)
+    assert isinstance(ours.value, deltarule.ContractError) and ours.value.argument == "chunk_size"
+    # fla checks chunk_size before any kernel runs, so its own function raises here on CPU too
+    fla_fn = {"chunk_kda": fla_chunk_kda, "chunk_gdn2": fla_chunk_gdn2, "chunk_gated_delta_rule": fla_chunk_gdn}[name]
+    with pytest.raises(ValueError) as theirs:
+        fla_fn(*args, chunk_size=chunk_size)
+    assert str(ours.value) == str(theirs.value)
+
+
 # --- gradients: the drop-ins train ----------------------------------------------------------
 
 GRAD_FAMILIES = {
@@ -483,7 +506,8 @@ def test_drop_in_gradients(name, varlen, monkeypatch):
 
     o, state, grads = drop_in_gradients(drop_in, tensors, cu)
     _, _, naive_grads = drop_in_gradients(naive, tensors, cu)
-    monkeypatch.setattr(dfla, "linear_attention", functools.partial(deltarule.linear_attention, backend="reference"))
+    dispatch = dfla.dispatch
+    monkeypatch.setattr(dfla, "dispatch", lambda problem, backend: dispatch(problem, "reference"))
     _, _, oracle = drop_in_gradients(drop_in, tensors, cu)
     for n in tensors:
         assert rel(grads[n], oracle[n]) < 1e-4, (n, rel(grads[n], oracle[n]))

@@ -213,6 +213,7 @@ def test_rejected_like_onnx_reference(request, case):
     ("q_num_heads-zero", dict(q_num_heads=0), "q_num_heads"),
     ("q_num_heads-float", dict(q_num_heads=2.0), "q_num_heads"),
     ("scale-nan", dict(scale=float("nan")), "scale"),
+    ("scale-inf-in-float32", dict(scale=-1e39), "scale"),
     ("query-list", dict(query=[[[0.0] * 8] * 3]), "query"),
 ])
 def test_contract_errors(case, change, name):

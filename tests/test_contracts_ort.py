@@ -466,6 +466,8 @@ def _gdn_ok():
     ("bad-update-rule", dict(update_rule="rwkv"), "update_rule"),
     ("bad-gate-activation", dict(gate_activation="silu"), "gate_activation"),
     ("lower-bound-positive", dict(gate_lower_bound=1.0), "gate_lower_bound"),
+    ("lower-bound-inf-in-float32", dict(gate_lower_bound=-1e39), "gate_lower_bound"),
+    ("scale-inf-in-float32", dict(scale=1e39), "scale"),
     ("chunk-size-0", dict(chunk_size=0), "chunk_size"),
     ("float64-query", dict(query=np.zeros((6, 2, 4)), key=np.zeros((6, 2, 4))), "query"),
     ("no-tokens", dict(query=np.zeros((0, 2, 4), np.float32), key=np.zeros((0, 2, 4), np.float32),

@@ -292,6 +292,12 @@ ERRORS = {
     "slot_ids-other-device": (lambda x: dict(slot_ids=x["slot_ids"].to("meta")), "slot_ids"),
     "scale-nan": (lambda x: dict(scale=float("nan")), "scale"),
     "scale-string": (lambda x: dict(scale="0.5"), "scale"),
+    "scale-inf-in-float32": (lambda x: dict(scale=1e39), "scale"),
+    # the state is written after the inputs are read: it may not overlap itself or any of them
+    "state-expanded-rows": (lambda x: dict(state=x["state"][:1].expand(7, 4, 36, 20)), "state"),
+    "query-view-of-a-state-row": (lambda x: dict(query=x["state"][6, :2, :, :5].permute(2, 0, 1)[None, :, :, :]
+                                                 .expand(3, 5, 2, 36)), "state"),
+    "beta-view-of-the-state": (lambda x: dict(beta=x["state"][0, 0, :5, :4].expand(3, 5, 4)), "state"),
 }
 
 

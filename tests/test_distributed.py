@@ -20,7 +20,7 @@ import torch
 
 import deltarule
 from deltarule.check import STORE_TOL
-from distributed_cases import CASES, GRAD_TOL, REFUSALS, TOL
+from distributed_cases import CASES, DISAGREEMENTS, GRAD_TOL, REFUSALS, TOL
 
 WORLD_SIZES = (2, 3, 4)
 WORKER = Path(__file__).with_name("distributed_cases.py")
@@ -34,7 +34,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
 def ranks(request, tmp_path_factory):
-    """Every rank's results, {case: result} per rank, for one world size."""
+    """One world size's run: every rank's {case: result} (the cases it finished), its exit
+    status and its output."""
     world = request.param
     out = tmp_path_factory.mktemp(f"world{world}")
     port = _free_port()
@@ -50,15 +51,29 @@ def ranks(request, tmp_path_factory):
             for q in procs:
                 q.kill()
             pytest.fail(f"world {world}: the gloo processes did not finish")
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    results = [json.loads(path.read_text()) if (path := out / f"rank{r}.json").exists() else {}
+               for r in range(world)]
+    return dict(results=results, codes=[p.returncode for p in procs], logs=logs)
+
+
+def _case(ranks, name) -> list[dict]:
+    """Every rank's result of case `name`; fails with the processes' output when a rank has none."""
+    missing = [r for r, results in enumerate(ranks["results"]) if name not in results]
+    if missing:
+        pytest.fail(f"rank(s) {missing} have no result for {name!r} (exit status {ranks['codes']}):\n"
+                    + "\n".join(log[-3000:] for log in ranks["logs"]))
+    return [results[name] for results in ranks["results"]]
+
+
+def test_every_process_exits_cleanly(ranks):
+    assert ranks["codes"] == [0] * len(ranks["codes"]), "\n".join(log[-3000:] for log in ranks["logs"])
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_one_process(ranks, name):
+    results = _case(ranks, name)
     bad = []
-    for rank, results in enumerate(ranks):
-        r = results[name]
+    for rank, r in enumerate(results):
         assert "error" not in r, f"rank {rank}: {r['error']}"
         tol = TOL + (STORE_TOL[torch.bfloat16] if r["state_dtype"] == "torch.bfloat16" else 0)
         if not (r["o"] <= TOL and r["state"] <= tol):
@@ -67,18 +82,35 @@ def test_matches_one_process(ranks, name):
             if not err <= GRAD_TOL:
                 bad.append(f"rank {rank}: d{input_name} {err:.1e}")
     assert not bad, bad
-    assert sum(r[name]["o_shape"][1] for r in ranks) == sum(ranks[0][name]["counts"])
+    assert sum(r["o_shape"][1] for r in results) == sum(results[0]["counts"])
 
 
 @pytest.mark.parametrize("name", REFUSALS)
 def test_invalid_arguments_raise_on_every_rank(ranks, name):
     """One rank's bad argument: it names the argument, every other rank names the group."""
-    arguments = [results[name]["argument"] for results in ranks]
+    results = _case(ranks, name)
+    arguments = [r["argument"] for r in results]
     if name == "bad-beta-on-rank-1":
-        assert arguments == ["group", "beta", *["group"] * (len(ranks) - 2)], arguments
-        assert "rank(s) [1]" in ranks[0][name]["message"]
+        assert arguments == ["group", "beta", *["group"] * (len(results) - 2)], arguments
+        assert "rank(s) [1]" in results[0]["message"]
     else:
-        assert arguments == ["cu_seqlens"] * len(ranks), arguments
+        assert arguments == ["cu_seqlens"] * len(results), arguments
+
+
+@pytest.mark.parametrize("name", list(DISAGREEMENTS))
+def test_disagreeing_ranks_raise_on_every_rank(ranks, name):
+    """One rank passes a different argument (valid on its own): every rank raises the same
+    ContractError naming the argument and the ranks (none aborts or waits)."""
+    results = _case(ranks, name)
+    world = len(results)
+    argument, _, _, differing = DISAGREEMENTS[name]
+    differing %= world
+    assert [r["argument"] for r in results] == [argument] * world, [r.get("message") for r in results]
+    assert len({r["message"] for r in results}) == 1, results
+    others = [r for r in range(world) if r != differing]
+    expected = ("rank 1 differs from rank 0" if world == 2
+                else f"rank {differing} differs from ranks {', '.join(map(str, others))}")
+    assert expected in results[0]["message"], results[0]["message"]
 
 
 def test_torchrun_example(tmp_path):
@@ -100,6 +132,24 @@ def test_refuses_without_process_group():
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(deltarule.ContractError, match="group"):
         deltarule.distributed.linear_attention(q, q, q)
+
+
+def test_initial_state_on_another_device_is_refused_locally():
+    """Checked with the other local arguments, before the first collective (it failed later,
+    only on the ranks that run a sequence's first token, while the others waited)."""
+    import deltarule.distributed as cp
+    from distributed_cases import inputs
+
+    args = inputs(dict(cu=[10, 30], gates="gdn", h0="kv"))
+    gates = {n: args.get(n) for n in ("g", "gk", "beta", "erase", "write")}
+    common = dict(rule=args["rule"], scale=None, qk_l2norm=True, l2norm_eps=1e-6, A_log=None, dt_bias=None,
+                  beta_sigmoid=False, chunk_size=64, backend="cpu")
+    failure, _ = cp._check_local(args["q"], args["k"], args["v"], gates, common, args["initial_state"].to("meta"),
+                                 "kv", args["cu_seqlens"])
+    assert failure is not None and failure.argument == "initial_state"
+    failure, cu = cp._check_local(args["q"], args["k"], args["v"], gates, common, args["initial_state"], "kv",
+                                  args["cu_seqlens"])
+    assert failure is None and cu == [0, 10, 40]
 
 
 @pytest.mark.parametrize("gates", ["gdn", "kda", "gdn2", "linear"])
@@ -144,3 +194,51 @@ def test_transition_of_a_slice(gates):
     assert (o - ref_o).norm() / ref_o.norm() <= 1e-5
     chained = torch.einsum("hij,hjv->hiv", M, S_in[0]) + X
     assert (chained - ref_state[0]).norm() / ref_state[0].norm() <= 1e-5
+
+
+def test_tensor_hash_is_the_modular_sum_it_documents():
+    """`tensor_hash` on the CPU equals its definition in Python integers (torch's int32 products
+    and sums wrap, the int64 ones too), over several chunks and a tail, for 32- and 16-bit words."""
+    import deltarule.distributed as cp
+
+    def wrap(x, bits):
+        x &= (1 << bits) - 1
+        return x - (1 << bits) if x >= 1 << (bits - 1) else x
+
+    def defined(x):
+        words = x.contiguous().view(-1).view(torch.int32 if x.element_size() == 4 else torch.int16).tolist()
+        a = cp._weights(2 * cp._WORDS, b"words", "i").view(2, -1).tolist()
+        chunks = len(words) // cp._WORDS + 1
+        b = cp._weights(chunks, b"chunks", "q").tolist()
+        total = 0
+        for c in range(chunks):
+            part = words[c * cp._WORDS:(c + 1) * cp._WORDS]
+            low = sum(w * a[0][i] for i, w in enumerate(part)) % (1 << 32)
+            high = wrap(sum(w * a[1][i] for i, w in enumerate(part)), 32)
+            total += (high * (1 << 32) + low) * b[c]
+        return wrap(total, 64)
+
+    gen = torch.Generator().manual_seed(3)
+    for x in (torch.randn(2, 70001, generator=gen), torch.randn(5 * 65536 + 3, generator=gen).bfloat16(),
+              torch.randn(7, generator=gen).half()):
+        assert int(cp.tensor_hash(x)) == defined(x), x.dtype
+
+
+def test_value_hash_sees_every_bit_and_not_the_layout():
+    """One flipped bit anywhere changes the hash (host and device paths); the same values in a
+    non-contiguous tensor do not. (That every process gets the same hashes, with Python's
+    per-process salt of str hashes, the gloo cases show: their ranks' digests agree.)"""
+    import deltarule.distributed as cp
+
+    gen = torch.Generator().manual_seed(5)
+    for x in (torch.randn(3, 4, 16, 12, generator=gen), torch.randn(2, 4, 64, 128, generator=gen),
+              torch.randn(2, 4, 64, 128, generator=gen).bfloat16()):
+        bits = x.view(torch.int32 if x.element_size() == 4 else torch.int16)
+        base = int(cp._value_hash(x))
+        for index in torch.randint(0, x.numel(), (4,), generator=gen).tolist():
+            for bit in (0, 8 * x.element_size() - 1):
+                y = bits.clone().view(-1)
+                y[index] ^= torch.tensor(1 << bit if bit < 8 * x.element_size() - 1 else -(1 << bit),
+                                         dtype=y.dtype)
+                assert int(cp._value_hash(y.view(bits.shape).view(x.dtype))) != base, (x.shape, index, bit)
+        assert int(cp._value_hash(x.transpose(-1, -2).contiguous().transpose(-1, -2))) == base

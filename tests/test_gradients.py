@@ -68,6 +68,30 @@ def test_small_gradients_match_the_oracle(case, backend, nan_poison):
     assert_gradients_match(cases.make_inputs(case), backend, GRAD_TOL["float32"])
 
 
+# Calls with no work at all: no sequence, no token, every span empty, no batch row (issue 19:
+# the C backward ran a worker slot it never filled when no (sequence, head) task existed).
+ZERO_WORK = params(
+    small(B=1, T=5, cu_seqlens=[0]),                                    # no sequence, tokens uncovered
+    small(B=1, T=0, cu_seqlens=[0]),                                    # no sequence, no token
+    small(B=1, T=4, cu_seqlens=[0, 0, 0], decay="gk", update="erase_write"),   # every span empty
+    small(B=2, T=4, seq_lens=[0, 0]),
+    small(B=2, T=0),                                                    # T = 0: states copied through
+    small(B=0, T=3),                                                    # no batch row
+    small(B=0, T=0, initial_state=False),
+)
+
+
+@pytest.mark.parametrize("plan", [False, True], ids=["indices", "plan"])
+@pytest.mark.parametrize("backend", [*BACKENDS, "reference"])
+@pytest.mark.parametrize("case", ZERO_WORK)
+def test_zero_work_calls_run_forward_and_backward(case, backend, plan, nan_poison):
+    args = cases.make_inputs(case)
+    if plan:
+        args["plan"] = deltarule.plan_batch(case["B"], case["T"], cu_seqlens=args.pop("cu_seqlens", None),
+                                            seq_lens=args.pop("seq_lens", None))
+    assert_gradients_match(args, backend, GRAD_TOL["float32"])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_inputs_without_grad_get_none_and_outputs_stay_attached(backend):
     """Only the inputs that require grad get one; a cpu output is never silently detached."""

@@ -97,21 +97,22 @@ def enabled():
 
 
 class Calls:
-    """Counts the fla drop-ins' calls of deltarule.linear_attention; `backend` forces one."""
+    """Counts the fla drop-ins' dispatches of a validated linear_attention call; `backend` forces one."""
 
-    def __init__(self):
+    def __init__(self, dispatch):
         self.n = 0
         self.backend = "auto"
+        self.dispatch = dispatch
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, problem, backend):
         self.n += 1
-        return deltarule.linear_attention(*args, **kwargs, backend=self.backend)
+        return self.dispatch(problem, self.backend)
 
 
 @pytest.fixture
 def calls(monkeypatch):
-    counter = Calls()
-    monkeypatch.setattr(fla_drop_ins, "linear_attention", counter)
+    counter = Calls(fla_drop_ins.dispatch)
+    monkeypatch.setattr(fla_drop_ins, "dispatch", counter)
     return counter
 
 

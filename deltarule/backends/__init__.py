@@ -1,7 +1,8 @@
 """Backend registry and `backend="auto"` dispatch.
 
 A backend module has NAME, DESCRIPTION, SUPPORTS (feature -> what it covers),
-available() -> bool,
+unavailable() -> None or why it cannot run on this machine and what to install
+(available() -> bool is `unavailable() is None`),
 supports(problem) -> None or the reason it declines, and run(problem).
 """
 
@@ -25,11 +26,23 @@ def names() -> tuple[str, ...]:
 
 
 def info() -> list[dict]:
-    """One entry per backend: name, description, availability here, what it supports."""
-    return [
-        {"name": m.NAME, "description": m.DESCRIPTION, "available": m.available(), "supports": m.SUPPORTS}
-        for m in REGISTRY.values()
-    ]
+    """One entry per backend: name, description, availability here (and "unavailable": why
+    not, None when available), what it supports."""
+    entries = []
+    for m in REGISTRY.values():
+        reason = m.unavailable()
+        entries.append({"name": m.NAME, "description": m.DESCRIPTION, "available": reason is None,
+                        "unavailable": reason, "supports": m.SUPPORTS})
+    return entries
+
+
+def _declines(m, p: Problem) -> str | None:
+    """None when backend module m takes the call here, else why not (unavailable: why, and
+    what to install)."""
+    reason = m.unavailable()
+    if reason is not None:
+        return f"not available on this machine: {reason}"
+    return m.supports(p)
 
 
 def dispatch(p: Problem, backend: str):
@@ -41,7 +54,7 @@ def dispatch(p: Problem, backend: str):
         reasons = []
         for name in (p.initial_state.backend,) if device_slab else AUTO_ORDER:
             m = REGISTRY[name]
-            reason = "not available on this machine" if not m.available() else m.supports(p)
+            reason = _declines(m, p)
             if reason is None:
                 try:
                     return m.run(p)
@@ -52,7 +65,7 @@ def dispatch(p: Problem, backend: str):
     if not isinstance(backend, str) or backend not in REGISTRY:
         raise ContractError("backend", "'auto' or one of " + ", ".join(map(repr, REGISTRY)), repr(backend))
     m = REGISTRY[backend]
-    reason = "not available on this machine" if not m.available() else m.supports(p)
+    reason = _declines(m, p)
     if reason is not None:
         raise Unsupported(f"backend {backend!r} declines this call: {reason}")
     return m.run(p)

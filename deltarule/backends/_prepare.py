@@ -192,9 +192,11 @@ def initial_states(p: Problem) -> torch.Tensor:
         init = init.transpose(-1, -2)
     if not p.in_place:
         return init.to(torch.float32).contiguous()
+    if not any(s.live for s in p.spans):                # all padding (or none): a slab may have no row
+        return torch.zeros(shape, dtype=torch.float32, device=p.device)
     rows, pad = p.plan.cached(("read_rows", p.device), lambda: (
         torch.tensor([max(s.read, 0) for s in p.spans], dtype=torch.int64, device=p.device),
-        torch.tensor([not s.live for s in p.spans], device=p.device).view(-1, 1, 1, 1)))
+        torch.tensor([not s.live for s in p.spans], dtype=torch.bool, device=p.device).view(-1, 1, 1, 1)))
     return init.index_select(0, rows).to(torch.float32).masked_fill(pad, 0.0).contiguous()
 
 

@@ -85,8 +85,17 @@ def _last_level_cache_bytes() -> int:
 LAST_LEVEL_CACHE_BYTES = _last_level_cache_bytes()
 
 
+def unavailable() -> str | None:
+    """None when the backend runs here, else why not and what to do about it."""
+    if cpu_recurrent.available():
+        return None
+    # setup.py's extension is optional: an install without a C compiler succeeds without it
+    return ("the native kernel was not built (no C compiler at install time): reinstall with a "
+            "C compiler: pip install --no-build-isolation -e .")
+
+
 def available() -> bool:
-    return cpu_recurrent.available()
+    return unavailable() is None
 
 
 def supports(p: Problem) -> str | None:

@@ -12,6 +12,10 @@ SUPPORTS = dict(EVERYTHING, devices="CPU computation (NumPy float64); tensors on
                 gradients="float64 torch autograd through the token loop (the oracle), every non-slab call")
 
 
+def unavailable() -> str | None:
+    return None             # NumPy only: runs wherever deltarule imports
+
+
 def available() -> bool:
     return True
 

@@ -27,6 +27,10 @@ SUPPORTS = dict(EVERYTHING, devices="any torch device",
 RECURRENT_MAX_LEN = 16
 
 
+def unavailable() -> str | None:
+    return None             # torch ops only: runs wherever torch does
+
+
 def available() -> bool:
     return True
 

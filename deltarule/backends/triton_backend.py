@@ -49,12 +49,20 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def available() -> bool:
+def unavailable() -> str | None:
+    """None when the backend runs here, else why not and what to do about it."""
     try:
         import triton  # noqa: F401
     except ImportError:
-        return False
-    return torch.cuda.is_available() or _interpreting()
+        return "triton is not installed: pip install triton"
+    if not (torch.cuda.is_available() or _interpreting()):
+        return ("no CUDA device and TRITON_INTERPRET=1 not set (the Triton interpreter runs the "
+                "kernels on the CPU; set it before the process imports triton)")
+    return None
+
+
+def available() -> bool:
+    return unavailable() is None
 
 
 def supports(p: Problem) -> str | None:

@@ -32,10 +32,20 @@ SUPPORTS = dict(
 )
 
 
-def available() -> bool:
+def unavailable() -> str | None:
+    """None when the backend runs here, else why not and what to do about it."""
     from ..kernels.wgsl import unavailable_reason
 
-    return unavailable_reason() is None
+    reason = unavailable_reason()
+    if reason is not None and "install" not in reason:
+        # wgpu's own error when no driver answers: say how a machine without a GPU gets one
+        reason += ("; on a machine without a GPU install Mesa's lavapipe: "
+                   "apt-get install mesa-vulkan-drivers")
+    return reason
+
+
+def available() -> bool:
+    return unavailable() is None
 
 
 def supports(p: Problem) -> str | None:

@@ -6,12 +6,10 @@ Each raises `deltarule.ContractError` naming the operator's argument; `state_ten
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import numpy as np
 import torch
 
+from ..api import finite_float32
 from ..errors import ContractError
 from ._convert import Kind, dtype_name
 
@@ -57,8 +55,8 @@ def check_scale(name, scale) -> float | None:
     """A finite real scale, or None (deltarule's default, K ** -0.5)."""
     if scale is None:
         return None
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise ContractError(name, "a finite float or None", repr(scale))
+    if not finite_float32(scale):
+        raise ContractError(name, "a float finite in float32 (the kernels' precision) or None", repr(scale))
     return float(scale)
 
 

@@ -41,7 +41,8 @@ import warnings
 
 import torch
 
-from ..api import linear_attention
+from ..api import validate
+from ..backends import dispatch
 from ..errors import ContractError
 
 __all__ = [
@@ -92,9 +93,24 @@ def _refuse_unsupported(*, cp_context=None, return_intermediate_states=False):
             "False: per-chunk intermediate states [B, NT, HV, K, V] are not produced", True)
 
 
+# fla-core 0.6.0's ValueError messages for a chunk_size its chunk kernel does not take, word for
+# word: fla's own tests match them (tests/ops/test_kda.py and test_gdn2.py,
+# pytest.raises(ValueError, match=r"`chunk_size` must be either 32 or 64") and
+# r"`chunk_size` must be 64 for GDN-2"), and those tests run against these drop-ins.
+_CHUNK_SIZE_MESSAGES = {
+    "chunk_gated_delta_rule": "`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got {}.",
+    "chunk_kda": "`chunk_size` must be either 32 or 64 for KDA, got {}.",
+    "chunk_gdn2": "`chunk_size` must be 64 for GDN-2, got {}.",
+}
+
+
 def _check_chunk_size(fn: str, chunk_size, allowed: tuple[int, ...]) -> int:
     if isinstance(chunk_size, bool) or chunk_size not in allowed:
-        raise ContractError("chunk_size", f"one of {allowed} for fla's {fn}", repr(chunk_size))
+        error = ContractError("chunk_size", f"one of {allowed} for fla's {fn}", repr(chunk_size))
+        # Still a ContractError (a ValueError, as fla raises) with argument / expected / actual,
+        # but worded as fla words it: it names the argument, the allowed values and the value.
+        error.args = (_CHUNK_SIZE_MESSAGES[fn].format(chunk_size),)
+        raise error
     return int(chunk_size)
 
 
@@ -217,11 +233,12 @@ def _run(q, k, v, *, out_dtype_of, scale, initial_state, output_final_state, sta
     if isinstance(initial_state, torch.Tensor) and initial_state.is_floating_point() \
             and initial_state.dtype != torch.float32:
         initial_state = initial_state.to(torch.float32)   # fla's kernels read h0 in float32
-    o, state = linear_attention(
+    o, state = dispatch(validate(
         q, k, v, scale=scale, initial_state=initial_state,
         state_layout="vk" if state_v_first else "kv", cu_seqlens=cu_seqlens,
         qk_l2norm=bool(qk_l2norm), l2norm_eps=FLA_L2NORM_EPS, chunk_size=chunk_size, **gates,
-    )
+        accept_growth=True,  # fla takes any log decay; linear_attention refuses > 0
+    ), "auto")
     if out_dtype is not None and o.dtype != out_dtype:
         o = o.to(out_dtype)
     if not output_final_state:

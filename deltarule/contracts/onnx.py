@@ -34,7 +34,9 @@ import numbers
 
 import torch
 
-from ..api import linear_attention as _linear_attention
+from ..api import finite_float32
+from ..api import validate as _validate
+from ..backends import dispatch as _dispatch
 from ..errors import ContractError
 from ._convert import Kind, dtype_name
 
@@ -219,10 +221,11 @@ def _packed(query, key, value, past_state, decay, beta, *, q_num_heads, kv_num_h
         q4 = q4.repeat_interleave(L // Hq, dim=2)
         k4 = k4.repeat_interleave(L // Hk, dim=2)
 
-    o, state = _linear_attention(
+    o, state = _dispatch(_validate(
         q4, k4, v4, rule=update_rule, g=g, gk=gk, beta=b, scale=scale, initial_state=s,
         chunk_size=chunk_size if chunk_size >= 1 else 64,
-    )
+        accept_growth=True,  # the runtime takes any log decay; linear_attention refuses > 0
+    ), "auto")
     output = o.reshape(B, T, o.shape[2] * d_v)
     return kind.out(output), kind.out(state.to(state_dtype))
 
@@ -242,6 +245,6 @@ def check_scale(scale) -> float | None:
     """The float attribute `scale`: 0.0 selects the default (None for deltarule)."""
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise ContractError("scale", "a float", repr(scale))
-    if not math.isfinite(scale):
-        raise ContractError("scale", "a finite float (deltarule does not run a non-finite scale)", scale)
+    if not finite_float32(scale):
+        raise ContractError("scale", "a float finite in float32 (deltarule's kernels compute in float32)", scale)
     return None if scale == 0 else float(scale)

@@ -22,11 +22,12 @@ attribute; features deltarule cannot run (compact state-update capture,
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
-from ..api import linear_attention as _linear_attention
+from ..api import finite_float32
+from ..api import validate as _validate
+from ..backends import dispatch as _dispatch
 from ..errors import ContractError
 from ..gate import gate as _gate
 from ._convert import Kind, dtype_name
@@ -129,9 +130,8 @@ def gated_delta_net(
     if capacity != 0:
         raise ContractError(
             "state_update_capacity", "0 (compact state-update capture is not supported)", capacity)
-    if (isinstance(gate_lower_bound, bool) or not isinstance(gate_lower_bound, numbers.Real)
-            or not math.isfinite(gate_lower_bound) or gate_lower_bound >= 0):
-        raise ContractError("gate_lower_bound", "a finite negative float", repr(gate_lower_bound))
+    if not finite_float32(gate_lower_bound) or gate_lower_bound >= 0:
+        raise ContractError("gate_lower_bound", "a negative float finite in float32", repr(gate_lower_bound))
     scale = check_scale(scale)
 
     # --- query / key / value (or packed QKV) --------------------------------
@@ -279,12 +279,13 @@ def gated_delta_net(
             g = raw
     beta_arg = rows(b) if b is not None else None
 
-    o, state = _linear_attention(
+    o, state = _dispatch(_validate(
         rows(q), rows(k), rows(v), rule=update_rule, g=g, gk=gk, beta=beta_arg, scale=scale,
         initial_state=s0, state_layout="vk", cu_seqlens=cu, qk_l2norm=l2norm,
         l2norm_eps=L2NORM_EPS, A_log=A_log, dt_bias=bias_arg if A_log is not None else None,
         beta_sigmoid=beta_activation == "sigmoid" and delta, chunk_size=chunk_size,
-    )
+        accept_growth=True,  # the runtime takes any log decay; linear_attention refuses > 0
+    ), "auto")
     return kind.out(o.reshape(lead + (Hv, Dv))), kind.out(state)
 
 

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from ..api import linear_attention as _linear_attention
+from ..aliasing import check_written
+from ..api import validate as _validate
+from ..backends import dispatch as _dispatch
 from ..errors import ContractError
 from ._checks import check_rows, check_scale, check_tensor, float32_or, host_ints, names, state_tensor, write_back
 from ._convert import Kind, dtype_name
@@ -162,11 +164,14 @@ def gated_delta_update(query, key, value, beta, gate, state, seq_lens=None, slot
         rows = list(range(B))
         slots = torch.arange(B, dtype=torch.int32, device=device)
     scale = check_scale("scale", scale)
+    check_written("state", slab, (("query", q), ("key", k), ("value", v), ("gate", d), ("beta", b),
+                                  ("gate_bias", bias), ("gate_scale", rate)))
 
-    o, _ = _linear_attention(
+    o, _ = _dispatch(_validate(
         q, k, v, rule="gated_delta", g=None if per_key else d, gk=d if per_key else None, beta=b,
         scale=scale, initial_state=slab, state_layout="kv", seq_lens=lengths, state_indices=slots,
         A_log=A_log, dt_bias=bias,
-    )
+        accept_growth=True,  # the runtime takes any log decay; linear_attention refuses > 0
+    ), "auto")
     write_back(state, slab, rows)
     return kind.out(o)

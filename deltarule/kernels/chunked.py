@@ -15,6 +15,10 @@ Every exponent is a difference G_r - G_s with r >= s (never exp of an unbounded
 cumulative sum). A log decay of -inf (a state reset) would make such a
 difference -inf - -inf = NaN: log decays are clamped at LOG_DECAY_FLOOR first,
 whose exp is 0 in float32 as well, so a reset still zeroes everything before it.
+The cumulative sums are float64 (`cumulative`): in float32 a chunk whose earlier
+tokens decay strongly (or reset: -110 each) makes |G| large, and a difference of two
+such sums loses the small decays between them (32 resets in a chunk: 8e-5 relative
+error in o; strong then weak decays: 2e-5). Only the exponents are float64.
 Memory is bounded by the group size, linear in T overall.
 
 Compute only: token-major operands as described in
@@ -44,6 +48,8 @@ def chunked(q, k, v, lam, b, w, S, scale: float, chunk_size: int):
     """
     N, L, _, G, K = q.shape
     H, V = v.shape[2], v.shape[3]
+    if N == 0 or L == 0:                             # no work (and no group size to divide by)
+        return torch.zeros(N, L, H, G, V, dtype=torch.float32, device=q.device), S
     per_key = lam is not None and lam.dim() == 4
     C = 1 << (chunk_size - 1).bit_length() if per_key else chunk_size
     NC = -(-L // C)
@@ -131,21 +137,21 @@ def _intra(q, k, v, lam, b, w):
     kt = k.transpose(-1, -2)
     A = None
     if lam.dim() == 4:                                                # scalar decay [.., C]
-        Gc = lam.cumsum(-1)
+        Gc = cumulative(lam, -1)
         upper = torch.ones(C, C, dtype=torch.bool, device=k.device).triu(1)
-        gamma = (Gc[..., :, None] - Gc[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
+        gamma = decay(Gc[..., :, None] - Gc[..., None, :], q.dtype, mask=upper)
         M = (q @ kt.unsqueeze(-3)).mul_(gamma.unsqueeze(-3))         # lower incl. diagonal
-        e_G = Gc.exp()
+        e_G = decay(Gc, q.dtype)
         q_dec = q * e_G[..., None, :, None]
-        k_dec = k * (Gc[..., -1:] - Gc).exp_()[..., None]
-        s_dec = Gc[..., -1].exp()[..., None, None]
+        k_dec = k * decay(Gc[..., -1:] - Gc, q.dtype)[..., None]
+        s_dec = e_G[..., -1][..., None, None]
         if b is not None:                    # only the strict lower part of A is ever read
             if b.dim() == 4:
                 A = (k @ kt).mul_(gamma).mul_(b[..., :, None])       # diag(b) (K K^T * Γ)
             else:
                 A = ((k * b) @ kt).mul_(gamma)
     else:                                                             # per-key decay [.., C, K]
-        Gc = lam.cumsum(-2)
+        Gc = cumulative(lam, -2)
         G = q.shape[-3]
         rows = q
         if b is not None:                    # M's and A's rows share the decay factors: one pass
@@ -155,10 +161,10 @@ def _intra(q, k, v, lam, b, w):
         M = P[..., :G, :, :]
         M.diagonal(dim1=-2, dim2=-1).copy_((q * k.unsqueeze(-3)).sum(-1))   # Γ_rr = 1
         A = P[..., G, :, :] if b is not None else None
-        e_G = Gc.exp()
+        e_G = decay(Gc, q.dtype)
         q_dec = q * e_G.unsqueeze(-3)
-        k_dec = k * (Gc[..., -1:, :] - Gc).exp_()
-        s_dec = Gc[..., -1, :].exp()[..., None]
+        k_dec = k * decay(Gc[..., -1:, :] - Gc, q.dtype)
+        s_dec = e_G[..., -1, :][..., None]
 
     if A is None:
         return v.contiguous(), None, M, q_dec, k_dec, s_dec
@@ -170,6 +176,20 @@ def _intra(q, k, v, lam, b, w):
     else:                                                             # per key: kb from above
         Y = T @ (kb * e_G)
     return U, Y, M, q_dec, k_dec, s_dec
+
+
+def cumulative(lam, dim: int):
+    """The cumulative log decays of a chunk's tokens along `dim`, in float64 (see the module
+    docstring: differences of float32 sums lose the small decays after large ones)."""
+    return lam.to(torch.float64).cumsum(dim)
+
+
+def decay(G, dtype, mask=None):
+    """exp(G) in `dtype` for a float64 G (a cumulative log decay or a difference of two);
+    positions where `mask` is True are 0 (exp(-inf))."""
+    if mask is not None:
+        G = G.masked_fill(mask, float("-inf"))
+    return G.exp_().to(dtype) if mask is not None else G.exp().to(dtype)
 
 
 def _unit_lower_inverse(A):
@@ -218,8 +238,8 @@ def _pairwise_per_key(x, k, Gc):
         m = C // (2 * s)
         G4 = Gc.view(*lead, m, 2, s, K)
         Gn = G4[..., 0, s - 1:s, :]                                   # [.., m, 1, K]
-        right = k.view(*lead, m, 2, s, K)[..., 0, :, :] * (Gn - G4[..., 0, :, :]).exp()
-        left = x.view(*lead, R, m, 2, s, K)[..., 1, :, :] * (G4[..., 1, :, :] - Gn).exp().unsqueeze(-4)
+        right = k.view(*lead, m, 2, s, K)[..., 0, :, :] * decay(Gn - G4[..., 0, :, :], k.dtype)
+        left = x.view(*lead, R, m, 2, s, K)[..., 1, :, :] * decay(G4[..., 1, :, :] - Gn, k.dtype).unsqueeze(-4)
         block = left @ right.unsqueeze(-4).transpose(-1, -2)          # [.., R, m, s, s]
         # out as [.., R, m, 2, s, m', 2, s]; its diagonal over (m, m') is [.., R, 2, s, 2, s, m]
         diag = out.view(*lead, R, m, 2, s, m, 2, s).diagonal(dim1=-6, dim2=-3)

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from . import recurrent_backward
-from .chunked import LOG_DECAY_FLOOR, _pairwise_per_key, _unit_lower_inverse
+from .chunked import LOG_DECAY_FLOOR, _pairwise_per_key, _unit_lower_inverse, cumulative, decay
 
 GROUP_ELEMENTS = 1 << 23      # elements of per-chunk temporaries per group of chunks (memory bound)
 
@@ -86,7 +86,7 @@ def backward(q, k, v, lam, b, w, starts, scale: float, do, dS, needs):
 
     per_chunk = N * H * (Cp * (6 * K + 6 * V + (3 * G + 6) * Cp) + 3 * K * V
                          + (4 * Cp * K * (G + 2) if per_key else 0))
-    group = max(1, GROUP_ELEMENTS // per_chunk)
+    group = max(1, GROUP_ELEMENTS // max(per_chunk, 1))       # per_chunk is 0 when N = 0
     for c1 in range(NC, 0, -group):                  # groups of chunks, last first
         c0 = max(0, c1 - group)
         t0, t1 = c0 * C, min(c1 * C, L)
@@ -150,7 +150,7 @@ class Recomputed:
     """The forward's per-chunk quantities (stage 1). Leading dims [n, N, H]; C = chunk size.
 
     q [.., G, C, K], k [.., C, K], v [.., C, V], b / w None or chunk-major gates;
-    Gc cumulative log decay [.., C] (scalar) or [.., C, K]; e_G = exp(Gc);
+    Gc cumulative log decay [.., C] (scalar) or [.., C, K], float64; e_G = exp(Gc);
     gamma [.., C, C] lower Γ (scalar decay only); kb = B*K (None without retrieval);
     M [.., G, C, C] (lower, unscaled); A [.., C, C] (strict lower part used) and T
     = (I + A)^-1, None without retrieval; WV = W*V; E = B*K*exp(G); Y = T E;
@@ -196,28 +196,28 @@ def recompute(q, k, v, lam, b, w, S0) -> Recomputed:
     kb = None if b is None else k * (b[..., None] if b.dim() == 4 else b)
     A = gamma = None
     if not per_key:
-        Gc = lam.cumsum(-1)                                            # [.., C]
+        Gc = cumulative(lam, -1)                                       # [.., C] float64
         upper = torch.ones(C, C, dtype=torch.bool, device=k.device).triu(1)
-        gamma = (Gc[..., :, None] - Gc[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
+        gamma = decay(Gc[..., :, None] - Gc[..., None, :], q.dtype, mask=upper)
         M = (q @ kt.unsqueeze(-3)) * gamma.unsqueeze(-3)
-        e_G = Gc.exp()
+        e_G = decay(Gc, q.dtype)
         e_Gk = e_G[..., None]                                          # broadcasts over K
         q_dec = q * e_Gk.unsqueeze(-3)
-        k_dec = k * (Gc[..., -1:] - Gc).exp()[..., None]
+        k_dec = k * decay(Gc[..., -1:] - Gc, q.dtype)[..., None]
         s_dec = e_G[..., -1, None, None]
         if kb is not None:
             A = (kb @ kt) * gamma
     else:
-        Gc = lam.cumsum(-2)                                            # [.., C, K]
+        Gc = cumulative(lam, -2)                                       # [.., C, K] float64
         G = q.shape[-3]
         rows = q if kb is None else torch.cat([q, kb.unsqueeze(-3)], dim=-3)
         P = _pairwise_per_key(rows, k, Gc)                             # strictly lower
         M = P[..., :G, :, :]
         M.diagonal(dim1=-2, dim2=-1).copy_((q * k.unsqueeze(-3)).sum(-1))
         A = P[..., G, :, :] if kb is not None else None
-        e_G = e_Gk = Gc.exp()
+        e_G = e_Gk = decay(Gc, q.dtype)
         q_dec = q * e_G.unsqueeze(-3)
-        k_dec = k * (Gc[..., -1:, :] - Gc).exp()
+        k_dec = k * decay(Gc[..., -1:, :] - Gc, q.dtype)
         s_dec = e_G[..., -1, :, None]
     WV = v if w is None else v * (w[..., None] if w.dim() == 4 else w)
     T = E = Y = None
@@ -363,12 +363,16 @@ def gate_products(r: Recomputed, st: StateTerms, wy: WYTerms) -> GateTerms:
         dq = dq + dMg @ r.k.unsqueeze(-3)
         dk = dk + (dMg.transpose(-1, -2) @ r.q).sum(-3)
         MM = (st.dM * r.M).sum(-3)                                     # dM * M, summed over G
+        # Γ_rr = 1 does not depend on G: its terms cancel in exact arithmetic, but beside a strong
+        # decay's tiny off-diagonal ones float32 keeps their rounding (1e-7 where 1e-14 is right)
+        MM.diagonal(dim1=-2, dim2=-1).zero_()
         dG = dG + MM.sum(-1) - MM.sum(-2)
         if wy.dA is not None:
             dAg = wy.dA * r.gamma
             dkb = dAg @ r.k
             dk = dk + dAg.transpose(-1, -2) @ r.kb
             AA = wy.dA * r.A
+            AA.diagonal(dim1=-2, dim2=-1).zero_()                      # likewise
             dG = dG + AA.sum(-1) - AA.sum(-2)
     else:
         G = r.q.shape[-3]
@@ -401,8 +405,8 @@ def gate_products(r: Recomputed, st: StateTerms, wy: WYTerms) -> GateTerms:
 def _exp_to_end(r: Recomputed):
     """exp(G_C - G_r) [.., C, K] (or [.., C, 1] scalar): the factor of K̂ = K*exp(G_C - G)."""
     if r.per_key:
-        return (r.Gc[..., -1:, :] - r.Gc).exp()
-    return (r.Gc[..., -1:] - r.Gc).exp()[..., None]
+        return decay(r.Gc[..., -1:, :] - r.Gc, r.k.dtype)
+    return decay(r.Gc[..., -1:] - r.Gc, r.k.dtype)[..., None]
 
 
 def decay_gradient(dG, lam):
@@ -434,8 +438,8 @@ def _pairwise_per_key_backward(dP, x, k, Gc):
         m = C // (2 * s)
         G4 = Gc.view(*lead, m, 2, s, K)
         Gn = G4[..., 0, s - 1:s, :]                                   # [.., m, 1, K]
-        f_right = (Gn - G4[..., 0, :, :]).exp()                       # [.., m, s, K]
-        f_left = (G4[..., 1, :, :] - Gn).exp().unsqueeze(-4)          # [.., 1, m, s, K]
+        f_right = decay(Gn - G4[..., 0, :, :], k.dtype)                # [.., m, s, K]
+        f_left = decay(G4[..., 1, :, :] - Gn, k.dtype).unsqueeze(-4)   # [.., 1, m, s, K]
         right = k.view(*lead, m, 2, s, K)[..., 0, :, :] * f_right
         left = x.view(*lead, R, m, 2, s, K)[..., 1, :, :] * f_left
         dblock = dP.view(*lead, R, m, 2, s, m, 2, s).diagonal(dim1=-6, dim2=-3)[..., 1, :, 0, :, :]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 import struct
 
 import torch
@@ -35,10 +36,15 @@ _BACKWARD = struct.Struct("@19P9q2if")
 
 
 def _load():
-    spec = importlib.util.find_spec("deltarule.kernels._recurrent_cpu")
-    if spec is None or spec.origin is None:
-        return None
-    lib = ctypes.CDLL(spec.origin)
+    # DELTARULE_CPU_KERNEL: a path to load instead of the built extension (CI's sanitizer
+    # build, .ci/sanitize); a missing file is an error, never a silent fallback
+    path = os.environ.get("DELTARULE_CPU_KERNEL")
+    if not path:
+        spec = importlib.util.find_spec("deltarule.kernels._recurrent_cpu")
+        if spec is None or spec.origin is None:
+            return None
+        path = spec.origin
+    lib = ctypes.CDLL(path)
     lib.deltarule_recurrent.argtypes = [ctypes.c_char_p, ctypes.c_int]
     lib.deltarule_recurrent.restype = ctypes.c_int
     lib.deltarule_problem_size.restype = ctypes.c_size_t

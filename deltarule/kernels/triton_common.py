@@ -25,11 +25,12 @@ import triton.language as tl
 def softplus(x):
     """log(1 + exp(x)) without overflow, accurate where exp(x) is tiny (log1p through
     log(u) * e / (u - 1), u = 1 + e, which is exact to rounding); x above 20 returns x,
-    as torch's softplus does."""
+    as torch's softplus does, and so does NaN (tl.minimum drops a NaN operand: the test is
+    written so that NaN takes the x branch)."""
     e = tl.exp(tl.minimum(x, 20.0))
     u = 1.0 + e
     log1p = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
-    return tl.where(x > 20.0, x, log1p)
+    return tl.where(x <= 20.0, log1p, x)
 
 
 @triton.jit

@@ -454,6 +454,10 @@ int deltarule_backward(const bproblem *P, int threads)
     pool W = {.P = P};
     atomic_init(&W.next, 0);
     atomic_init(&W.failed, 0);
+    if (P->N * P->Hv == 0)           /* no task: no thread, no scratch (threads would be 0 below) */
+        return 0;
+    if (threads < 1)
+        threads = 1;
     if (threads > P->N * P->Hv)
         threads = (int)(P->N * P->Hv);
     if (threads > MAX_THREADS)

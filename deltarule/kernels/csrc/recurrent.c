@@ -1068,6 +1068,8 @@ int deltarule_recurrent(const problem *P, int threads)
     pool W = {.P = P, .tasks = P->N * P->Hv};
     atomic_init(&W.next, 0);
     atomic_init(&W.failed, 0);
+    if (W.tasks == 0)                /* no task: no thread, no scratch */
+        return 0;
     if (threads > W.tasks)
         threads = (int)W.tasks;
     pthread_once(&team_once, team_init);
