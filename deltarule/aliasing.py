@@ -60,5 +60,10 @@ def check_written(name: str, x: torch.Tensor, reads) -> None:
             continue
         y0, y1 = byte_range(y)
         if x0 < y1 and y0 < x1 and y0 != y1:
-            raise ContractError(name, "memory that no input shares (it is written in place after the "
-                                "inputs are read)", f"{other} shares its memory")
+            raise shared(name, other)
+
+
+def shared(name: str, other: str) -> ContractError:
+    """The error of a tensor `name` written in place that shares memory with the input `other`."""
+    return ContractError(name, "memory that no input shares (it is written in place after the inputs are read)",
+                         f"{other} shares its memory")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import numbers
 import struct
@@ -12,7 +13,7 @@ from . import aliasing
 from . import backends as _backends
 from . import batch as _batch
 from .batch import BatchPlan
-from .errors import ContractError
+from .errors import ContractError, positive_log_decay
 from .problem import (
     DELTA_RULES,
     DeviceSlab,
@@ -27,6 +28,8 @@ from .problem import (
 
 _DTYPE_NAMES = "float32, float16 or bfloat16"
 _FLOAT32 = struct.Struct("f")
+_is_compiling = torch.compiler.is_compiling
+_is_grad_enabled = torch.is_grad_enabled
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
@@ -177,14 +180,139 @@ def linear_attention(
         >>> bool(slab[3].eq(0).all()), bool(slab[6].ne(0).any())
         (True, True)
     """
+    return _call(q, k, v, rule, g, gk, beta, erase, write, scale, initial_state, state_layout, cu_seqlens,
+                 seq_lens, state_indices, num_accepted_tokens, plan, qk_l2norm, l2norm_eps, A_log, dt_bias,
+                 beta_sigmoid, chunk_size, backend, False)
+
+
+def call(q, k, v, *, rule="gated_delta", g=None, gk=None, beta=None, erase=None, write=None, scale=None,
+         initial_state=None, state_layout="kv", cu_seqlens=None, seq_lens=None, state_indices=None,
+         num_accepted_tokens=None, plan=None, qk_l2norm=False, l2norm_eps=1e-6, A_log=None, dt_bias=None,
+         beta_sigmoid=False, chunk_size=64, backend="auto", accept_growth=False):
+    """`linear_attention` for the contract adapters: the same arguments, plus `accept_growth`
+    (see `validate`): the adapters of runtimes that take positive log decays pass True."""
+    return _call(q, k, v, rule, g, gk, beta, erase, write, scale, initial_state, state_layout, cu_seqlens,
+                 seq_lens, state_indices, num_accepted_tokens, plan, qk_l2norm, l2norm_eps, A_log, dt_bias,
+                 beta_sigmoid, chunk_size, backend, accept_growth)
+
+
+def _call(q, k, v, rule, g, gk, beta, erase, write, scale, initial_state, state_layout, cu_seqlens, seq_lens,
+          state_indices, num_accepted_tokens, plan, qk_l2norm, l2norm_eps, A_log, dt_bias, beta_sigmoid,
+          chunk_size, backend, accept_growth):
+    """Validate and run; a call whose batch layout and signature were validated before (its
+    plan, given or found in `_PLANS`, keeps the launch: `_launch`) runs its launch. Traced by
+    torch.compile, the call is one of deltarule's custom ops (`deltarule.library`)."""
+    if _is_compiling():
+        from . import library
+
+        return library.call(q, k, v, rule, g, gk, beta, erase, write, scale, initial_state, state_layout,
+                            cu_seqlens, seq_lens, state_indices, num_accepted_tokens, plan, qk_l2norm,
+                            l2norm_eps, A_log, dt_bias, beta_sigmoid, chunk_size, backend, accept_growth)
+    if plan is None:
+        plan = _known_plan(q, initial_state, cu_seqlens, seq_lens, state_indices, num_accepted_tokens)
+        if plan is not None:
+            cu_seqlens = seq_lens = state_indices = num_accepted_tokens = None
+    if plan is not None and cu_seqlens is None and seq_lens is None and state_indices is None \
+            and num_accepted_tokens is None and (backend == "auto" or backend == "cpu"):
+        # the launch of this call signature, validated when first seen (`_launch`). Only all-CPU
+        # signatures keep a launch (is_cpu stands for the device); inputs that need grad make
+        # their own signature (which keeps none)
+        try:
+            key = (q.shape, q.is_contiguous(), q.dtype, q.is_cpu, k.shape, k.is_contiguous(), k.dtype, k.is_cpu,
+                   v.shape, v.is_contiguous(), v.dtype, v.is_cpu,
+                   None if g is None else (g.shape, g.is_contiguous(), g.dtype, g.is_cpu),
+                   None if gk is None else (gk.shape, gk.is_contiguous(), gk.dtype, gk.is_cpu),
+                   None if beta is None else (beta.shape, beta.is_contiguous(), beta.dtype, beta.is_cpu),
+                   None if erase is None else (erase.shape, erase.is_contiguous(), erase.dtype, erase.is_cpu),
+                   None if write is None else (write.shape, write.is_contiguous(), write.dtype, write.is_cpu),
+                   None if A_log is None else (A_log.shape, A_log.is_contiguous(), A_log.dtype, A_log.is_cpu),
+                   None if dt_bias is None else (dt_bias.shape, dt_bias.is_contiguous(), dt_bias.dtype,
+                                                 dt_bias.is_cpu),
+                   None if initial_state is None else (initial_state.shape, initial_state.stride(),
+                                                       initial_state.dtype, initial_state.is_cpu),
+                   _is_grad_enabled() and _needs_grad(q, k, v, g, gk, beta, erase, write, A_log, dt_bias,
+                                                      initial_state),
+                   rule, scale, state_layout, qk_l2norm, l2norm_eps, beta_sigmoid, chunk_size, backend, accept_growth)
+            launch = plan._cache[key]
+        except KeyError:
+            launch = plan.cached(key, lambda: _launch(
+                plan, q, k, v, rule, g, gk, beta, erase, write, scale, initial_state, state_layout, qk_l2norm,
+                l2norm_eps, A_log, dt_bias, beta_sigmoid, chunk_size, backend, accept_growth))
+        except (AttributeError, TypeError):          # not tensors, unhashable scalars: the full path says what
+            launch = None
+        if launch is not None:
+            return launch(q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state)
     problem = validate(
         q, k, v, rule=rule, g=g, gk=gk, beta=beta, erase=erase, write=write,
         scale=scale, initial_state=initial_state, state_layout=state_layout,
         cu_seqlens=cu_seqlens, seq_lens=seq_lens, state_indices=state_indices,
         num_accepted_tokens=num_accepted_tokens, plan=plan, qk_l2norm=qk_l2norm, l2norm_eps=l2norm_eps,
         A_log=A_log, dt_bias=dt_bias, beta_sigmoid=beta_sigmoid, chunk_size=chunk_size,
+        accept_growth=accept_growth,
     )
     return _backends.dispatch(problem, backend)
+
+
+# Plans of calls that brought their index tensors (or none), by the indices' values: a decode
+# step's layers pass the same ones, so all but the first find the plan here (reading the
+# indices to the host is the only per-call cost of the layout). Least recently used first.
+_PLANS: collections.OrderedDict = collections.OrderedDict()
+_PLANS_KEPT = 64
+
+
+def _known_plan(q, initial_state, cu_seqlens, seq_lens, state_indices, num_accepted_tokens) -> BatchPlan | None:
+    """The plan of a call without `plan=`, from `_PLANS` or built (and kept); None where the call
+    is not one a plan can take (the full validation then says why)."""
+    try:
+        B, T, _, _ = q.shape
+        if cu_seqlens is None and seq_lens is None and state_indices is None and num_accepted_tokens is None:
+            return _batch.dense(B, T, q.device)
+        slots = None if state_indices is None else initial_state.shape[0]
+        device = q.device
+        key = (B, T, device, slots, _values(cu_seqlens, device), _values(seq_lens, device),
+               _values(state_indices, device), _values(num_accepted_tokens, device))
+    except (AttributeError, TypeError, ValueError):
+        return None
+    plan = _PLANS.get(key)
+    if plan is None:
+        try:
+            plan = _batch.build(B, T, q.device, cu_seqlens=cu_seqlens, seq_lens=seq_lens,
+                                state_indices=state_indices, num_accepted_tokens=num_accepted_tokens,
+                                num_slots=slots)
+        except ContractError:
+            return None                              # the full validation raises it, in its order
+        _PLANS[key] = plan
+        if len(_PLANS) > _PLANS_KEPT:
+            _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end(key)
+    return plan
+
+
+def _values(x, device):
+    """An index tensor's part of a plan key: its dtype and values (read to the host); one on
+    another device than q's is not read (ValueError: the full validation refuses it)."""
+    if x is None:
+        return None
+    if x.device != device or x.dim() not in (1, 2):
+        raise ValueError(x.device)
+    values = x.tolist()
+    return x.dtype, tuple(map(tuple, values)) if x.dim() == 2 else tuple(values)
+
+
+def _launch(plan, q, k, v, rule, g, gk, beta, erase, write, scale, initial_state, state_layout, qk_l2norm,
+            l2norm_eps, A_log, dt_bias, beta_sigmoid, chunk_size, backend, accept_growth):
+    """The launch a call signature keeps (`backends.launch`), or None (the call takes the full path
+    every time: its backend keeps none, or an input needs grad). Validates the call: a signature
+    is everything `validate` checks that does not depend on the tensors' values or addresses
+    (shapes, strides, dtypes, devices, which inputs are given, whether they need grad, and
+    every scalar); the launch checks what does (the sign of the log decays, a slab's overlap
+    with the inputs) on every call."""
+    problem = validate(q, k, v, rule=rule, g=g, gk=gk, beta=beta, erase=erase, write=write, scale=scale,
+                       initial_state=initial_state, state_layout=state_layout, plan=plan, qk_l2norm=qk_l2norm,
+                       l2norm_eps=l2norm_eps, A_log=A_log, dt_bias=dt_bias, beta_sigmoid=beta_sigmoid,
+                       chunk_size=chunk_size, accept_growth=accept_growth)
+    return _backends.launch(problem, backend)
 
 
 def validate(
@@ -313,8 +441,17 @@ def validate(
         beta_sigmoid=beta_sigmoid, chunk_size=int(chunk_size),
         B=B, T=T, Hq=Hq, Hk=Hk, Hv=Hv, K=K, V=V, G=max(Hq // Hv, 1), Ho=max(Hq, Hv),
         state_dtype=initial_state.dtype if isinstance(initial_state, torch.Tensor) else torch.float32,
-        device=device, requires_grad=requires_grad,
+        device=device, requires_grad=requires_grad, accept_growth=bool(accept_growth),
     )
+
+
+def _needs_grad(q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state) -> bool:
+    """An input requires grad (unrolled: a decode step asks per layer)."""
+    return (q.requires_grad or k.requires_grad or v.requires_grad or (g is not None and g.requires_grad)
+            or (gk is not None and gk.requires_grad) or (beta is not None and beta.requires_grad)
+            or (erase is not None and erase.requires_grad) or (write is not None and write.requires_grad)
+            or (A_log is not None and A_log.requires_grad) or (dt_bias is not None and dt_bias.requires_grad)
+            or (initial_state is not None and initial_state.requires_grad))
 
 
 def _check_differentiable(plan: BatchPlan) -> None:
@@ -333,10 +470,8 @@ def _check_log_decay(*, g, gk) -> None:
     (one device sync off the CPU); NaN is not positive (it propagates, as in the reference)."""
     for name, x in (("g", g), ("gk", gk)):
         if x is not None and x.numel() and bool((x > 0).any()):
-            where = tuple((x > 0).nonzero()[0].tolist())
-            raise ContractError(name, "log-space decays <= 0 (natural log of the decay factor, e.g. "
-                                "log(0.9), not 0.9; -inf resets the state)",
-                                f"{name}{list(where)} = {x[where].item():g}")
+            flat = int((x.reshape(-1) > 0).nonzero()[0])
+            raise positive_log_decay(name, x, flat)
 
 
 def finite_float32(x) -> bool:

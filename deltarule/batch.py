@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -93,6 +94,7 @@ class BatchPlan:
     max_len: int = field(init=False)
     steps: int = field(init=False)
     dense: bool = field(init=False)
+    handle: torch.Tensor = field(init=False, repr=False, compare=False)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -106,6 +108,9 @@ class BatchPlan:
         set_("steps", sum(lengths) + len(lengths))
         # sequence n is batch row n, whole and live: no packing, no owner table
         set_("dense", not self.varlen and all(s.read >= 0 for s in self.spans))
+        # what a compiled call passes instead of the plan (deltarule.library): found by its address
+        set_("handle", torch.zeros(1, dtype=torch.int8))
+        _HANDLES[self.handle.data_ptr()] = self
 
     @property
     def in_place(self) -> bool:
@@ -210,6 +215,18 @@ class BatchPlan:
             raise ContractError("plan", expected + " (initial_state's rows)", actual)
 
 
+# plan.handle's address -> the plan
+_HANDLES: "weakref.WeakValueDictionary[int, BatchPlan]" = weakref.WeakValueDictionary()
+
+
+def plan_of_handle(handle: torch.Tensor) -> BatchPlan:
+    """The plan whose `handle` is this tensor (a compiled call's stand-in for it)."""
+    plan = _HANDLES.get(handle.data_ptr())
+    if plan is None or plan.handle.data_ptr() != handle.data_ptr():
+        raise RuntimeError("deltarule: a compiled call's plan handle names no live BatchPlan")
+    return plan
+
+
 def plan_batch(
     B: int,
     T: int,
@@ -279,7 +296,7 @@ def build(B, T, device, *, cu_seqlens, seq_lens, state_indices, num_accepted_tok
     if cu_seqlens is None and seq_lens is None and state_indices is None:
         if num_accepted_tokens is not None:
             raise ContractError("num_accepted_tokens", "None without 2-D state_indices [N, L]", "a tensor")
-        return _dense(B, T, device)
+        return dense(B, T, device)
     if cu_seqlens is not None and seq_lens is not None:
         raise ContractError("seq_lens", "None when cu_seqlens is given", "both given")
     ranges = _sequence_ranges(B, T, cu_seqlens, seq_lens, device)
@@ -347,7 +364,7 @@ def _speculative(B, T, device, ranges, rows, L, num_accepted_tokens, num_slots, 
 
 
 @functools.lru_cache(maxsize=64)
-def _dense(B: int, T: int, device: torch.device) -> BatchPlan:
+def dense(B: int, T: int, device: torch.device) -> BatchPlan:
     """Sequence b is row b: the plan of a call without index arguments (cached: immutable)."""
     return BatchPlan(B, T, tuple(Span(b, 0, T, b, b) for b in range(B)), None, None, False, device)
 

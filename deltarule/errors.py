@@ -22,3 +22,15 @@ class Unsupported(RuntimeError):
     next backend), or an integration declining the installed library
     (`deltarule.integrations.transformers.enable()` on an unsupported transformers).
     """
+
+
+def positive_log_decay(name: str, x, flat_index: int) -> ContractError:
+    """The error of a positive log decay in `name` (g or gk, a tensor) at flat index
+    `flat_index`: g and gk are natural logs of the decay factor, so never positive."""
+    where = []
+    for size in reversed(x.shape):
+        flat_index, i = divmod(flat_index, size)
+        where.append(i)
+    where = where[::-1]
+    return ContractError(name, "log-space decays <= 0 (natural log of the decay factor, e.g. log(0.9), "
+                         "not 0.9; -inf resets the state)", f"{name}{where} = {x[tuple(where)].item():g}")

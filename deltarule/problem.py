@@ -84,6 +84,7 @@ class Problem:
     state_dtype: torch.dtype   # the state's storage dtype: initial_state's, float32 without one
     device: torch.device
     requires_grad: bool        # autograd is on and a differentiable input requires grad
+    accept_growth: bool        # positive log decays accepted (the adapters of runtimes that take them)
 
     def differentiable_inputs(self) -> tuple[torch.Tensor | None, ...]:
         """The inputs a gradient can flow to, in the API's order (None where absent)."""

@@ -41,7 +41,7 @@ def test_quick_covers_the_issue_shapes():
         assert ("decode", B, 1, 16, "g", "beta") in shapes
     serving = {n for n, c in quick.items() if c.get("state_indices") is not None}
     assert {"qwen3-next-16h-decode-b8-bf16-slab", "qwen3-next-16h-verify-b8-l4",
-            "qwen3-next-16h-decode-b1-plan"} <= serving
+            "qwen3-next-16h-decode-b1-slab", "qwen3-next-16h-decode-b64-bf16-slab"} <= serving
     assert not any(c.get("smoke") for c in quick.values())
 
 
@@ -66,8 +66,8 @@ def test_bench_command_prints_table_and_writes_json_and_plot(tmp_path, capsys):
                    "--json", str(out_json), "--plot", str(out_png)])
     assert rc == 0
     text = capsys.readouterr().out
-    for needle in ("tiny-prefill", "tiny-decode", "deltarule ms", "GFLOP/s", "ratio", "threads",
-                   "copy bandwidth"):
+    for needle in ("tiny-prefill", "tiny-decode", "deltarule ms", "plan ms", "kernel ms", "overhead us",
+                   "GFLOP/s", "ratio", "[min-max]", "threads", "copy bandwidth", "rotated round to round"):
         assert needle in text
 
     data = json.loads(out_json.read_text())
@@ -78,11 +78,15 @@ def test_bench_command_prints_table_and_writes_json_and_plot(tmp_path, capsys):
     assert [r["case"]["name"] for r in data["results"]] == ["tiny-prefill", "tiny-decode"]
     for r in data["results"]:
         assert r["deltarule"]["status"] == "ok"
-        assert r["deltarule"]["median_ms"] > 0
+        assert r["deltarule"]["median_ms"] > 0 and len(r["deltarule"]["samples_ms"]) >= 1
+        serving = r["case"]["kind"] == "decode"            # decode: the plan call, its kernel, the overhead
+        assert ("plan" in r["deltarule"]) == serving and ("overhead_us" in r["deltarule"]) == serving
         for name, peer in r["peers"].items():
             assert peer["status"] in ("ok", "skipped"), (name, peer)
-            if peer["status"] == "ok":  # a present peer must compute the same thing
+            if peer["status"] == "ok":  # a present peer must compute the same thing, timed in the same rounds
                 assert peer["match"], (name, peer["rel_err"])
+                assert len(peer["samples_ms"]) == len(r["deltarule"]["samples_ms"])
+                assert peer["ratio_range"][0] <= peer["ratio"] <= peer["ratio_range"][1]
             else:
                 assert peer["reason"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -147,3 +151,19 @@ def test_bench_backward_times_forward_and_backward_beside_autograd(tmp_path, cap
     assert 0 < result["kept_bytes"] <= result["bound_bytes"]
     peer = result["peers"]["transformers"]
     assert peer["status"] == "ok" and peer["grad_rel_err"] < 1e-4       # the same gradients
+
+
+def test_interleaved_rounds_rotate_and_pair_samples(monkeypatch):
+    """Every implementation gets one sample per round, in an order rotated round to round."""
+    from deltarule.bench import timing
+
+    monkeypatch.setattr(timing, "PAUSE_SECONDS", 0.0)
+    monkeypatch.setattr(timing, "WARMUP_SECONDS", 0.0)
+    monkeypatch.setattr(timing, "BATCH_SECONDS", 0.0)
+    order = []
+    fns = {name: (lambda name=name: order.append(name) or name) for name in "abc"}
+    timings = timing.interleaved(fns, repeat=3, budget=10.0)
+    assert {n: t.result for n, t in timings.items()} == {"a": "a", "b": "b", "c": "c"}
+    assert order[3:] == list("abc" "bca" "cab")            # after one warm-up call each
+    assert all(len(t.samples) == 3 for t in timings.values())
+    assert len(timings["a"].ratios(timings["b"])) == 3

@@ -210,7 +210,7 @@ def _operands(B, T, Hq, Hk, Hv, K, V, decay="gk", update="erase_write", seed=0):
 
 
 def _call(x, S0, S, spans, token_rows=None, o=None, stream_state=False, threads=2):
-    """cpu_recurrent.recurrent on operands x; returns o (a fresh torch.empty unless given)."""
+    """cpu_recurrent.Recurrence on operands x; returns o (a fresh torch.empty unless given)."""
     from deltarule.kernels import cpu_recurrent
 
     B, T, Hv, V = x["v"].shape
@@ -219,9 +219,9 @@ def _call(x, S0, S, spans, token_rows=None, o=None, stream_state=False, threads=
     spans = torch.tensor(spans, dtype=torch.int64).view(-1, 5)
     if token_rows is not None:
         token_rows = torch.tensor(token_rows, dtype=torch.int64)
-    cpu_recurrent.recurrent(**x, S0=S0, S=S, o=o, spans=spans, token_rows=token_rows, owner=None,
-                            scale=x["q"].shape[-1] ** -0.5, l2norm_eps=None, stream_state=stream_state,
-                            threads=threads)
+    cpu_recurrent.Recurrence(x["q"], x["k"], x["v"], x["g"], x["gk"], x["b"], x["w"], None, None, S0, S, o, spans,
+                             token_rows, None, scale=x["q"].shape[-1] ** -0.5, l2norm_eps=None,
+                             stream_state=stream_state).run_packed(threads)
     return o
 
 

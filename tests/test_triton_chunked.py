@@ -23,7 +23,6 @@ import triton.language as tl  # noqa: E402
 import deltarule  # noqa: E402
 from deltarule import cases  # noqa: E402
 from deltarule.backends import _prepare, triton_backend  # noqa: E402
-from deltarule.backends.triton_chunked_support import chunked_supported  # noqa: E402
 from deltarule.check import expected  # noqa: E402
 from deltarule.kernels import triton_chunked, triton_common  # noqa: E402
 
@@ -45,7 +44,6 @@ def run_chunked(args: dict, mode: str = "backend"):
     update in place (S = S0).
     """
     p = deltarule.validate(**args)
-    assert chunked_supported(p) is None
     lay = triton_backend.token_layout(p, packed=mode != "backend")
     pk = lay.packing
     x = _prepare.raw_operands(p, pk)
@@ -292,7 +290,8 @@ def test_writes_every_output_element(nan_poison, case):
                                   dict(rule="delta", update="erase_write"), dict(rule="gated", decay="gk"),
                                   dict(raw_gate=True, decay="gk", update="erase_write")])
 def test_every_gate_form_accepted(over):
-    assert chunked_supported(deltarule.validate(**cases.make_inputs(small(**over), "float32", DEVICE))) is None
+    p = deltarule.validate(**cases.make_inputs(small(**over), "float32", DEVICE))
+    assert p.max_len > triton_backend.RECURRENT_MAX_LEN and triton_backend.supports(p) is None
 
 
 def test_kernel_refuses_mismatched_gates():

@@ -45,6 +45,17 @@ def _declines(m, p: Problem) -> str | None:
     return m.supports(p)
 
 
+def launch(p: Problem, backend: str):
+    """A launch of the validated call `p` that its call signature can reuse (`cpu_backend.Launch`:
+    the cpu backend's, with the per-call checks), or None where the backend `dispatch` would
+    pick keeps none: only the cpu backend does, for calls without gradients."""
+    if backend not in ("auto", "cpu") or p.requires_grad or isinstance(p.initial_state, DeviceSlab):
+        return None
+    if _declines(cpu_backend, p) is not None:
+        return None
+    return cpu_backend.Launch(p, per_call_checks=True)
+
+
 def dispatch(p: Problem, backend: str):
     device_slab = isinstance(p.initial_state, DeviceSlab)
     if device_slab and isinstance(backend, str) and backend in REGISTRY and backend != p.initial_state.backend:

@@ -26,9 +26,11 @@ import weakref
 import numpy as np
 import torch
 
+from .. import aliasing
+from ..errors import positive_log_decay
 from ..kernels import cpu_recurrent
 from ..problem import Problem
-from . import _grad, _prepare
+from . import _grad
 from ._features import EVERYTHING
 
 NAME = "cpu"
@@ -47,11 +49,13 @@ SUPPORTS = dict(EVERYTHING, devices="CPU tensors",
 POOL_MIN_BYTES = 1 << 25
 # The pool keeps at most this many bytes of dropped outputs for reuse.
 POOL_BYTES = 1 << 30
-# A call gets one thread per this many state-element steps. The helper threads are
-# kept between calls, but waking one costs the caller ~10 us and it arrives 15-35 us
-# later: between torch work on both cores a second thread lost 11-13 % at B = 1 decode
-# (2^19 steps), broke even at B = 2 and won 17-22 % at B = 4 (docs/performance.md).
-ELEMENT_STEPS_PER_THREAD = 1 << 20
+# A call gets one thread per this many state-element steps (a token's update of one state
+# element; 2^19 for a 16-head B = 1 decode step at K = V = 128). Measured on the 2-core
+# AVX-512 VM with the kernel's helpers (they keep their heads call after call and spin
+# through short gaps between calls; recurrent.c): a second thread took a B = 1 step from
+# 52 to 35 us back to back, 25 to 19 us at 8 heads (2^18), and only 12.9 to 11.5 us at 4
+# heads; with a 0.1 ms two-thread GEMM between calls it still won (docs/performance.md).
+ELEMENT_STEPS_PER_THREAD = 1 << 18
 # Tokens between the states a differentiable forward keeps: the backward recomputes a
 # chunk's states from its start into a thread's scratch ([CHECKPOINT + 1, K, V] float32,
 # 4 MB at K = V = 128, which stays in the last-level cache).
@@ -62,18 +66,22 @@ CHECKPOINT = 64
 GRAD_POOL_MIN_BYTES = 1 << 20
 
 
-def _last_level_cache_bytes() -> int:
-    """The largest CPU cache in bytes (Linux sysfs), 32 MiB where it cannot be read."""
+def _cache_bytes() -> dict[int, int]:
+    """{cache level: the largest size in bytes at that level} of cpu0 (Linux sysfs; {} where it
+    cannot be read)."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    sizes = []
+    sizes: dict[int, int] = {}
     for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
         try:
             with open(path) as f:
                 text = f.read().strip()
-        except OSError:
+            with open(path[:-len("size")] + "level") as f:
+                level = int(f.read())
+        except (OSError, ValueError):
             continue
-        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
-    return max(sizes, default=32 << 20)
+        size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+        sizes[level] = max(size, sizes.get(level, 0))
+    return sizes
 
 
 # A fresh final state is written past the caches (streaming stores) only when the call's
@@ -82,7 +90,12 @@ def _last_level_cache_bytes() -> int:
 # whoever reads them next. On the AVX2 CI machine (32 MB L3), decode B = 1 / 2 / 4 / 8
 # (16 heads, 2-16 MB of states) ran 1.3-1.4x faster with plain stores, B = 64 (128 MB)
 # 1.2x faster streaming.
-LAST_LEVEL_CACHE_BYTES = _last_level_cache_bytes()
+LAST_LEVEL_CACHE_BYTES = max(_cache_bytes().values(), default=32 << 20)
+# A task prefetches the next one's state only when the call's states outgrow the per-core L2:
+# while they fit, the prefetched lines only displace the current task's (B = 1 decode, 1 MB of
+# states: 5-10 % faster without), beyond it they hide the next state's misses (B = 64 from the
+# L3: 28-38 % slower without; docs/performance.md).
+L2_BYTES = _cache_bytes().get(2, 1 << 20)
 
 
 def unavailable() -> str | None:
@@ -109,59 +122,134 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         x = _grad.differentiable_operands(p)
         o, S = _Recurrence.apply(p, x.q, x.k, x.v, x.g, x.gk, x.b, x.w, x.S0)
         return o.view(p.B, p.T, p.Ho, p.V).to(p.v.dtype), _grad.differentiable_state(p, S)
-    # float16 / bfloat16 are widened, and qk_l2norm applied, as the kernel reads q and k
-    q = p.q.contiguous().view(p.B, p.T, p.Hq // p.G, p.G, p.K)
-    k = p.k.contiguous()
-    v = p.v.contiguous()
-    g, gk, b, w = _gates(p)
+    launch = Launch(p, per_call_checks=False)          # validate has checked this call
+    return launch(p.q, p.k, p.v, p.g, p.gk, p.beta, p.erase, p.write, p.A_log, p.dt_bias, p.initial_state)
 
-    spans, token_rows, owner = _tables(p)
-    o = _empty((p.B, p.T, p.Hv, p.G, p.V), v.dtype, zero=not p.plan.covered())
-    S0 = p.initial_state
-    if S0 is not None and p.state_layout == "vk":
-        S0 = S0.transpose(-1, -2)                    # a strided [*, Hv, K, V] view, no copy
-    if p.in_place:
-        S = S0
+
+class Launch:
+    """A validated call's kernel launch, minus its tensors: what the shapes, dtypes and strides
+    of the call's tensors, its scalars and its plan fix (the packed kernel `problem`, the
+    outputs' shapes, the thread count). Calling it with tensors of those shapes, dtypes and
+    strides runs the kernel on them; `api.linear_attention` keeps one per call signature with
+    a reused plan, so a decode step's layers skip the validation and the packing.
+
+    The gates go to the kernel as they are, in their own dtype: the raw-gate arm (A_log,
+    dt_bias), the sigmoid of `beta_sigmoid` and qk_l2norm are applied in the kernel. The
+    kernel reads operands where they lie: o is allocated [B, T, Ho, V] (the kernel's
+    [B, T, Hv, G, V]), a "vk" state through its strides; inputs that are not contiguous are
+    copied first.
+
+    `per_call_checks`: check, on every call, what validation reads from the values and addresses
+    of the tensors rather than their shapes: the sign of the log decays (in the kernel, before
+    any work) and a slab's overlap with the inputs (their address ranges). For a launch kept
+    for later calls; a call `validate` has just checked passes False."""
+
+    def __init__(self, p: Problem, per_call_checks: bool):
+        self.o_shape, self.o_dtype, self.zero_o = (p.B, p.T, p.Ho, p.V), p.v.dtype, not p.plan.covered()
+        self.small_o = not self.zero_o and p.B * p.T * p.Ho * p.V * p.v.dtype.itemsize < POOL_MIN_BYTES
+        self.in_place = p.in_place
+        self.state_shape = (p.N, p.Hv, p.V, p.K) if p.state_layout == "vk" else (p.N, p.Hv, p.K, p.V)
+        self.state_dtype = p.state_dtype
+        steps = p.plan.steps * p.Hv * p.K * p.V
+        self.threads = max(1, min(torch.get_num_threads(), steps // ELEMENT_STEPS_PER_THREAD))
+        inputs = (p.q, p.k, p.v, p.g, p.gk, p.beta, p.erase, p.write, p.A_log, p.dt_bias)
+        self.copy = not all(x is None or x.is_contiguous() for x in inputs)
+        # per-call aliasing check of a slab: its byte extent, and the inputs' in the kernel's order
+        # (q, k, v, g, gk, b, w, A_log, dt_bias; contiguous ones: their pointers and sizes)
+        # the kernel checks a slab's bytes against the inputs' (contiguous: numel * size) per call
+        b, w = (p.beta, p.beta) if p.beta is not None else (p.erase, p.write)
+        self.operand_names = ("q", "k", "v", "g", "gk", "beta" if p.beta is not None else "erase",
+                              "beta" if p.beta is not None else "write", "A_log", "dt_bias")
+        self.check_slab = per_call_checks and p.in_place
+        slab_bytes, operand_bytes = 0, (0,) * 9
+        if self.check_slab:
+            slab_bytes = aliasing.byte_range(p.initial_state)[1] - p.initial_state.data_ptr()
+            operand_bytes = tuple(0 if x is None else x.numel() * x.element_size()
+                                  for x in (p.q, p.k, p.v, p.g, p.gk, b, w, p.A_log, p.dt_bias))
+        # a slab row is read back by the next step: only a fresh state that outgrows the cache streams
+        state_bytes = 2 * p.N * p.Hv * p.K * p.V * p.state_dtype.itemsize
+        q, k, v, g, gk, beta, erase, write, a_log, dt_bias = (_contiguous(x) for x in inputs)
+        b, w = (beta, beta) if beta is not None else (erase, write)
+        q = q.view(p.B, p.T, p.Hq // p.G, p.G, p.K)
+        S0 = p.initial_state
+        if S0 is not None and p.state_layout == "vk":
+            S0 = S0.transpose(-1, -2)                    # a strided [*, Hv, K, V] view, no copy
+        S, o = self._outputs(S0)
+        self.recurrence = cpu_recurrent.Recurrence(
+            q, k, v, g, gk, b, w, a_log, dt_bias, S0, S.transpose(-1, -2) if p.state_layout == "vk" and
+            not p.in_place else S, o.view(p.B, p.T, p.Hv, p.G, p.V), *_tables(p), scale=p.scale,
+            l2norm_eps=p.l2norm_eps if p.qk_l2norm else None, raw_gate=p.A_log is not None,
+            gate_sigmoid=p.beta_sigmoid, stream_state=not p.in_place and state_bytes > LAST_LEVEL_CACHE_BYTES,
+            prefetch_next=state_bytes > 2 * L2_BYTES,
+            check_decay=per_call_checks and p.decays and p.A_log is None and not p.accept_growth,
+            slab_bytes=slab_bytes, operand_bytes=operand_bytes)
+
+    def _outputs(self, S0):
+        """(S, o): the states the kernel writes (the slab itself, or a fresh state in the call's
+        layout) and a fresh o."""
+        o = _empty(self.o_shape, self.o_dtype, zero=self.zero_o)
+        return (S0 if self.in_place else _empty(self.state_shape, self.state_dtype)), o
+
+    def __call__(self, q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state):
+        """(o [B, T, Ho, V], state): runs the kernel on tensors of the signature this launch was
+        made for. Raises ContractError for a positive log decay or, with a slab, an input that
+        shares its memory (before any work). Kept lean: a decode step calls it per layer."""
+        if self.copy:                                # (rare) inputs copied: their own ranges checked first
+            inputs = (q, k, v, g, gk, beta, erase, write, A_log, dt_bias)
+            if self.check_slab:
+                aliasing.check_written("initial_state", initial_state, zip(_INPUT_NAMES, inputs))
+            q, k, v, g, gk, beta, erase, write, A_log, dt_bias = (_contiguous(x) for x in inputs)
+        if self.small_o:                             # (decode: torch's allocator, uninitialised)
+            o = torch.empty(self.o_shape, dtype=self.o_dtype)
+        else:
+            o = _empty(self.o_shape, self.o_dtype, zero=self.zero_o)
+        S = initial_state if self.in_place else _empty(self.state_shape, self.state_dtype)
+        result = self.recurrence.run(_pointers(q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state,
+                                               S, o), self.threads)
+        if result != cpu_recurrent.OK:
+            raise self._refusal(result, g, gk)
+        return o, S
+
+    def kernel(self, q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state):
+        """The kernel alone on these contiguous tensors, as a no-argument callable returning the
+        kernel's result code: the outputs allocated once, no Python between calls but the
+        packing of the operands' addresses. `deltarule bench` times it for the call's overhead
+        (a call's time minus this)."""
+        o = _empty(self.o_shape, self.o_dtype, zero=self.zero_o)
+        S = initial_state if self.in_place else _empty(self.state_shape, self.state_dtype)
+        pointers = _pointers(q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state, S, o)
+
+        def run(_keep=(o, S)):                       # the outputs live as long as the callable
+            return self.recurrence.run(pointers, self.threads)
+        return run
+
+    def _refusal(self, result: int, g, gk):
+        """The ContractError of a kernel refusal (before any work)."""
+        if result == cpu_recurrent.SHARED:
+            return aliasing.shared("initial_state", self.operand_names[self.recurrence.bad])
+        name, x = ("g", g) if result == cpu_recurrent.POSITIVE_G else ("gk", gk)
+        return positive_log_decay(name, x, self.recurrence.bad)
+
+
+_INPUT_NAMES = ("q", "k", "v", "g", "gk", "beta", "erase", "write", "A_log", "dt_bias")
+
+
+def _pointers(q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state, S, o) -> tuple[int, ...]:
+    """The kernel's 12 operand addresses (`cpu_recurrent.operands`' order; beta stands for both
+    erase and write)."""
+    if beta is not None:
+        b = w = beta.data_ptr()
     else:
-        S = _empty((p.N, p.Hv, p.V, p.K) if p.state_layout == "vk" else (p.N, p.Hv, p.K, p.V), p.state_dtype)
-        if p.state_layout == "vk":
-            S = S.transpose(-1, -2)
-    steps = p.plan.steps * p.Hv * p.K * p.V
-    threads = max(1, min(torch.get_num_threads(), steps // ELEMENT_STEPS_PER_THREAD))
-    # a slab row is read back by the next step: only a fresh state that outgrows the cache streams
-    state_bytes = 2 * p.N * p.Hv * p.K * p.V * p.state_dtype.itemsize
-    cpu_recurrent.recurrent(q, k, v, g, gk, b, w, S0, S, o, spans=spans, token_rows=token_rows, owner=owner,
-                            scale=p.scale, l2norm_eps=p.l2norm_eps if p.qk_l2norm else None,
-                            stream_state=not p.in_place and state_bytes > LAST_LEVEL_CACHE_BYTES, threads=threads)
-
-    o = o.view(p.B, p.T, p.Ho, p.V)
-    if p.in_place:
-        return o, p.initial_state
-    return o, S.transpose(-1, -2) if p.state_layout == "vk" else S
+        b = 0 if erase is None else erase.data_ptr()
+        w = 0 if write is None else write.data_ptr()
+    return (q.data_ptr(), k.data_ptr(), v.data_ptr(), 0 if g is None else g.data_ptr(),
+            0 if gk is None else gk.data_ptr(), b, w, 0 if A_log is None else A_log.data_ptr(),
+            0 if dt_bias is None else dt_bias.data_ptr(),
+            0 if initial_state is None else initial_state.data_ptr(), S.data_ptr(), o.data_ptr())
 
 
-def _gates(p: Problem):
-    """(g, gk, b, w) for the kernel, contiguous. The kernel takes exp(gk + g) itself and
-    reads per-channel gates in their own dtype; scalar gates, the raw-gate arm and
-    `beta_sigmoid` are applied here in float32 (`_prepare`). Tensors already in the
-    form the kernel reads are passed as they are (a decode step makes no copies)."""
-    f32 = torch.float32
-    if p.A_log is None:
-        g = p.g if p.g is None or p.g.dtype == f32 else p.g.float()
-        gk = p.gk
-    else:
-        g, gk = _prepare.log_decays(p)
-    if p.beta is not None and not p.beta_sigmoid:
-        b = w = p.beta if p.beta.dtype == f32 else p.beta.float()    # one scalar gate: erase = write
-    elif p.retrieves and p.beta is None and not p.beta_sigmoid:
-        b, w = p.erase, p.write
-    else:
-        b, w = _prepare.update_gates(p)
-    same = w is b
-    g = None if g is None else g.contiguous()
-    gk = None if gk is None else gk.contiguous()
-    b = None if b is None else b.contiguous()
-    return g, gk, b, b if same else (None if w is None else w.contiguous())
+def _contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.contiguous()
 
 
 def _tables(p: Problem):
@@ -201,9 +289,8 @@ class _Recurrence(torch.autograd.Function):
                    pool_from=GRAD_POOL_MIN_BYTES)
         u = _empty((p.B, p.T, p.Hv, p.V), torch.float32, pool_from=GRAD_POOL_MIN_BYTES)
         _, _, owner = _tables(p)
-        cpu_recurrent.recurrent(q, k, v, g, gk, b, w, ck, ck, o, spans=spans, token_rows=None, owner=owner,
-                                scale=p.scale, l2norm_eps=None, stream_state=False,
-                                threads=_threads(p, p.plan.steps), u_out=u, checkpoint=CHECKPOINT)
+        cpu_recurrent.Recurrence(q, k, v, g, gk, b, w, None, None, ck, ck, o, spans, None, owner, scale=p.scale,
+                                 l2norm_eps=None, u_out=u, checkpoint=CHECKPOINT).run_packed(_threads(p, p.plan.steps))
         S = ck.index_select(0, finals)
         ctx.p = p
         ctx.save_for_backward(q, k, v, u, g, gk, b, w, ck)

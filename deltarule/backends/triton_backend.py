@@ -29,7 +29,6 @@ import torch
 from ..problem import Problem
 from . import _grad, _prepare
 from ._features import EVERYTHING
-from .triton_chunked_support import chunked_supported
 
 NAME = "triton"
 DESCRIPTION = "fused Triton recurrence (decode, short sequences) + chunked prefill"
@@ -68,13 +67,7 @@ def available() -> bool:
 def supports(p: Problem) -> str | None:
     if p.device.type != "cuda" and not _interpreting():
         return f"CUDA tensors only (or TRITON_INTERPRET=1), got device {p.device}"
-    if p.requires_grad:
-        return None          # the differentiable recurrence (`_Recurrence`) takes any length
-    if p.max_len > RECURRENT_MAX_LEN and not p.plan.speculative:
-        reason = chunked_supported(p)
-        if reason is not None:
-            return f"{reason}; the fused recurrence takes at most {RECURRENT_MAX_LEN}"
-    return None
+    return None              # the chunked prefill takes every gate form; gradients: `_Recurrence`
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 import sys
 from importlib import metadata
 
@@ -30,7 +31,7 @@ from ..check import STORE_TOL
 from . import report
 from .model import MODELS
 from .peers import PEERS, Skip
-from .timing import measure
+from .timing import BATCH_SECONDS, PAUSE_SECONDS, WARMUP_SECONDS, interleaved, measure, paired
 
 # --cold: at most this many copies of a case's inputs.
 MAX_INPUT_COPIES = 64
@@ -164,10 +165,15 @@ def run(cases: list[dict], args: argparse.Namespace) -> list[dict]:
 def run_case(case: dict, args: argparse.Namespace, absent: dict, progress: "_Progress") -> dict:
     """{"case": case, "deltarule": entry, "peers": {name: entry}} for one case.
 
-    An entry has "status" ("ok", "skipped" or "error"); an "ok" entry has
-    median_ms, min_ms and samples_ms, deltarule's also tokens_per_s,
-    gflop_per_s and gb_per_s, a peer's ratio, rel_err, match and note;
-    the others have a one-line "reason".
+    deltarule and every peer that can run the case are timed together (`timing.interleaved`).
+    An entry has "status" ("ok", "skipped" or "error"); an "ok" entry has median_ms, min_ms and
+    samples_ms (one per round); deltarule's also tokens_per_s, gflop_per_s and gb_per_s and, for
+    decode / verify, "plan" (the same call with a plan built once: `_deltarule_calls`) and, where
+    the cpu backend runs it, kernel_ms, paired_plan_ms and overhead_us (the plan call and its
+    kernel alone alternated call by call, `timing.paired`: their medians and that of their
+    difference); a peer's
+    ratio (its time / deltarule's serving time, the median over rounds), ratio_range (min, max
+    over rounds), rel_err, match and note; the others have a one-line "reason".
     """
     copies = _input_copies(case, make_inputs(case, args.dtype), args.cold)
     if "state_indices" in copies[0]:     # deltarule's timed calls update the slab: the peers start from a copy
@@ -175,16 +181,39 @@ def run_case(case: dict, args: argparse.Namespace, absent: dict, progress: "_Pro
     else:
         peer_copies = copies
     progress.show(f"{case['name']}: deltarule")
-    entry, reference = _time_deltarule(case, copies, args)
-    peers = {}
+    try:
+        mine, reference = _deltarule_calls(case, copies, args)
+    except (ContractError, Unsupported, RuntimeError, MemoryError) as e:
+        reason = "deltarule did not run, nothing to compare"
+        return {"case": case, "deltarule": {"status": "error", "reason": _one_line(e)},
+                "peers": {p.name: _skipped(absent[p.name] or reason) for p in PEERS}, "input_copies": len(copies)}
+    peers, runs = {}, {}
     for peer in PEERS:
         progress.show(f"{case['name']}: {peer.name}")
         if absent[peer.name]:
             peers[peer.name] = _skipped(absent[peer.name])
-        elif reference is None:
-            peers[peer.name] = _skipped("deltarule did not run, nothing to compare")
+            continue
+        checked = _check_peer(peer, case, peer_copies, reference, args)
+        if isinstance(checked, dict):
+            peers[peer.name] = checked
         else:
-            peers[peer.name] = _time_peer(peer, case, peer_copies, reference, entry["median_ms"], args)
+            runs[peer.name], peers[peer.name] = checked
+    kernel = mine.pop("kernel", None)
+    progress.show(f"{case['name']}: timing {len(mine) + len(runs)} implementations, interleaved")
+    timings = interleaved({**mine, **runs}, args.repeat, args.budget)
+    serving = timings.get("plan", timings["call"])
+    entry = _times(timings["call"])
+    entry.update(report.throughput(case, serving.median))
+    if "plan" in timings:
+        entry["plan"] = _times(timings["plan"])
+    if kernel is not None:
+        progress.show(f"{case['name']}: deltarule's call with a plan and its kernel alone, alternated")
+        pair = paired(mine["plan"], kernel, args.budget)
+        entry.update(kernel_ms=pair.b * 1e3, paired_plan_ms=pair.a * 1e3, overhead_us=pair.difference * 1e6)
+    for name in runs:
+        ratios = timings[name].ratios(serving)
+        peers[name].update(_times(timings[name]), ratio=statistics.median(ratios),
+                           ratio_range=(min(ratios), max(ratios)))
     return {"case": case, "deltarule": entry, "peers": peers, "input_copies": len(copies)}
 
 
@@ -202,49 +231,72 @@ def _clone(inputs: dict) -> dict:
     return {n: (x.clone() if isinstance(x, torch.Tensor) else x) for n, x in inputs.items()}
 
 
-def _time_deltarule(case: dict, copies: list[dict], args) -> tuple[dict, tuple | None]:
-    """deltarule's entry and the (output, state) the peers are checked against, or None if it
-    failed. A slab call is checked on a copy of the slab (the timed calls keep updating it),
-    with the state being the rows it wrote; `plan` cases build one plan, outside the timing,
-    for every copy of the inputs (as a decode step's layers share one)."""
+def _deltarule_calls(case: dict, copies: list[dict], args) -> tuple[dict, tuple]:
+    """The deltarule calls to time, by name, and the (output, state) the peers are checked
+    against (of a slab call: the rows it wrote, computed on a copy of the slab, which the timed
+    calls keep updating). Each callable cycles through the copies of the inputs.
+
+    "call": the case's arguments as a caller without a plan passes them. Decode / verify also
+    time "plan": the same call with a plan built once outside the timing for every copy (as a
+    decode step's layers share one), checked against "call"; and, where the cpu backend runs it,
+    "kernel": that call's kernel launch alone (`cpu_backend.Launch.kernel`): the call's time
+    minus the kernel's is its overhead."""
     inputs = copies[0]
-    try:
-        calls = [dict(c) for c in copies]
-        if case.get("plan"):
-            layout = {n: inputs[n] for n in ("cu_seqlens", "seq_lens", "state_indices", "num_accepted_tokens")
-                      if n in inputs}
-            slots = inputs["initial_state"].shape[0] if "state_indices" in layout else None
-            plan = plan_batch(*inputs["q"].shape[:2], **layout, num_slots=slots)
-            for call in calls:
-                for n in layout:
-                    del call[n]
-                call["plan"] = plan
-        reference = None
-        if "state_indices" in inputs:
-            o, slab = linear_attention(**dict(inputs, initial_state=inputs["initial_state"].clone()),
-                                       backend=args.backend)
-            reference = (o, slab[inputs["state_indices"].reshape(-1)])
-        cycle = itertools.cycle(calls)
-        timing = measure(lambda: linear_attention(**next(cycle), backend=args.backend), args.repeat, args.budget)
-    except (ContractError, Unsupported, RuntimeError, MemoryError) as e:
-        return {"status": "error", "reason": _one_line(e)}, None
-    entry = _times(timing)
-    entry.update(report.throughput(case, timing.median))
-    return entry, reference or timing.result
+    if "state_indices" in inputs:
+        o, slab = linear_attention(**dict(inputs, initial_state=inputs["initial_state"].clone()),
+                                   backend=args.backend)
+        reference = (o, slab[inputs["state_indices"].reshape(-1)])
+    else:
+        reference = linear_attention(**inputs, backend=args.backend)
+    plain = itertools.cycle(copies)
+    calls = {"call": lambda: linear_attention(**next(plain), backend=args.backend)}
+    if case["kind"] not in ("decode", "verify"):
+        return calls, reference
+    layout = {n: inputs[n] for n in ("cu_seqlens", "seq_lens", "state_indices", "num_accepted_tokens")
+              if n in inputs}
+    slots = inputs["initial_state"].shape[0] if "state_indices" in layout else None
+    plan = plan_batch(*inputs["q"].shape[:2], **layout, num_slots=slots)
+    planned = [{**{n: x for n, x in c.items() if n not in layout}, "plan": plan} for c in copies]
+    check = dict(planned[0], initial_state=inputs["initial_state"].clone())
+    o, state = linear_attention(**check, backend=args.backend)
+    got = (o, state[inputs["state_indices"].reshape(-1)]) if "state_indices" in layout else (o, state)
+    if rel_error(got, reference) > STORE_TOL[state.dtype]:
+        raise RuntimeError(f"the call with a plan differs from the call without: {rel_error(got, reference):.1e}")
+    cycle = itertools.cycle(planned)
+    calls["plan"] = lambda: linear_attention(**next(cycle), backend=args.backend)
+    launches = [_launch(c, args.backend) for c in planned]
+    if all(launch is not None for launch in launches):
+        kernels = itertools.cycle([launch.kernel(*(c.get(n) for n in _LAUNCH_INPUTS))
+                                   for launch, c in zip(launches, planned)])
+        calls["kernel"] = lambda: next(kernels)()
+    return calls, reference
 
 
-def _time_peer(peer, case: dict, copies: list[dict], reference: tuple, dr_ms: float, args) -> dict:
-    """A peer's entry: skipped with its reason, failed, or timed (cycling through the copies of
-    the inputs, as deltarule did) and checked on its first call."""
+# `cpu_backend.Launch`'s tensor arguments, in its order.
+_LAUNCH_INPUTS = ("q", "k", "v", "g", "gk", "beta", "erase", "write", "A_log", "dt_bias", "initial_state")
+
+
+def _launch(call: dict, backend: str):
+    """The cpu backend's kernel launch of a call with a plan (None where it keeps none)."""
+    from .. import api
+    from ..backends import launch
+
+    if any(not call[n].is_contiguous() for n in _LAUNCH_INPUTS[:-1] if call.get(n) is not None):
+        return None
+    return launch(api.validate(**call), backend)
+
+
+def _check_peer(peer, case: dict, copies: list[dict], reference: tuple, args):
+    """A peer's entry (skipped, failed, or a mismatch / match from its first call) and the
+    callable to time (cycling through its copies of the inputs, as deltarule's calls do); or
+    just the entry where it cannot run."""
     inputs = copies[0]
     try:
         prepared = [peer.prepare(case, c) for c in copies]
     except Skip as e:
         return _skipped(str(e))
     try:
-        cycle = itertools.cycle(prepared)
-        timing = measure(lambda: next(cycle).run(), args.repeat, args.budget)
-        got = prepared[0].unpack(timing.result)
+        got = prepared[0].unpack(prepared[0].run())
     except Exception as e:  # a peer's failure is reported, not fatal
         return {"status": "error", "reason": _one_line(e)}
     shapes = [(tuple(a.shape), tuple(b.shape)) for a, b in zip(got, reference)]
@@ -254,10 +306,10 @@ def _time_peer(peer, case: dict, copies: list[dict], reference: tuple, dr_ms: fl
     err = rel_error(got, reference)
     state = inputs.get("initial_state")
     tol = TOLERANCE[args.dtype] + STORE_TOL[torch.float32 if state is None else state.dtype]
-    return {
-        **_times(timing), "ratio": timing.median * 1e3 / dr_ms, "rel_err": err if math.isfinite(err) else None,
-        "match": err <= tol, "note": prepared[0].note,
-    }
+    cycle = itertools.cycle(prepared)
+    entry = {"status": "ok", "rel_err": err if math.isfinite(err) else None, "match": err <= tol,
+             "note": prepared[0].note}
+    return (lambda: next(cycle).run()), entry
 
 
 def copy_bandwidth(mib: int = 256, repeat: int = 5) -> float:
@@ -281,7 +333,7 @@ def rel_error(got: tuple, want: tuple) -> float:
 
 def _times(timing) -> dict:
     return {"status": "ok", "median_ms": timing.median * 1e3, "min_ms": min(timing.samples) * 1e3,
-            "samples_ms": [s * 1e3 for s in timing.samples]}
+            "max_ms": max(timing.samples) * 1e3, "samples_ms": [s * 1e3 for s in timing.samples]}
 
 
 def _skipped(reason: str) -> dict:
@@ -303,6 +355,7 @@ def _meta(args) -> dict:
         "legends": [p.legend for p in PEERS],
         "flop_model": report.FLOP_MODEL, "bytes_model": report.BYTES_MODEL,
         "ratio": report.RATIO_NOTE,
+        "timing": report.timing_note(PAUSE_SECONDS, WARMUP_SECONDS, BATCH_SECONDS),
     }
 
 

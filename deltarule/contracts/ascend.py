@@ -36,8 +36,7 @@ import itertools
 import torch
 
 from ..aliasing import check_written
-from ..api import validate as _validate
-from ..backends import dispatch as _dispatch
+from ..api import call as _call
 from ..errors import ContractError
 from ._convert import Kind, dtype_name
 from ._checks import check_rows, check_scale, check_tensor, host_ints, state_tensor, write_back
@@ -177,14 +176,14 @@ def recurrent_gated_delta_rule(query, key, value, beta, state, actual_seq_length
     starts = [0, *itertools.accumulate(lengths)]
     L = max(lengths)
     rows = [indices[start:end] + [-1] * (L - (end - start)) for start, end in zip(starts, starts[1:])]
-    out, _ = _dispatch(_validate(
+    out, _ = _call(
         q[None], k[None], v[None], rule="gated_delta" if gates else "delta", beta=b[None], scale=scale,
         initial_state=slab, state_layout="vk",
         cu_seqlens=torch.tensor(starts, dtype=torch.int32, device=device),
         state_indices=torch.tensor(rows, dtype=torch.int32, device=device),
         num_accepted_tokens=accepted_t, **gates,
         accept_growth=True,  # the runtime takes any log decay; linear_attention refuses > 0
-    ), "auto")
+    )
     write_back(state, slab, indices)
     return kind.out(out[0])
 

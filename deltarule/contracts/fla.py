@@ -41,8 +41,7 @@ import warnings
 
 import torch
 
-from ..api import validate
-from ..backends import dispatch
+from ..api import call as _call
 from ..errors import ContractError
 
 __all__ = [
@@ -233,18 +232,21 @@ def _run(q, k, v, *, out_dtype_of, scale, initial_state, output_final_state, sta
     if isinstance(initial_state, torch.Tensor) and initial_state.is_floating_point() \
             and initial_state.dtype != torch.float32:
         initial_state = initial_state.to(torch.float32)   # fla's kernels read h0 in float32
-    o, state = dispatch(validate(
+    o, state = _call(
         q, k, v, scale=scale, initial_state=initial_state,
         state_layout="vk" if state_v_first else "kv", cu_seqlens=cu_seqlens,
         qk_l2norm=bool(qk_l2norm), l2norm_eps=FLA_L2NORM_EPS, chunk_size=chunk_size, **gates,
         accept_growth=True,  # fla takes any log decay; linear_attention refuses > 0
-    ), "auto")
+    )
     if out_dtype is not None and o.dtype != out_dtype:
         o = o.to(out_dtype)
     if not output_final_state:
         return o, None
-    if initial_state is not None and state.untyped_storage().data_ptr() == initial_state.untyped_storage().data_ptr():
-        state = state.clone()                      # fla returns a fresh tensor, never h0 itself
+    # fla returns a fresh tensor, never h0 itself (traced by torch.compile, deltarule's op already
+    # returns a fresh one: deltarule.library)
+    if initial_state is not None and not torch.compiler.is_compiling() \
+            and state.untyped_storage().data_ptr() == initial_state.untyped_storage().data_ptr():
+        state = state.clone()
     return o, state
 
 

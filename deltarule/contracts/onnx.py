@@ -35,8 +35,7 @@ import numbers
 import torch
 
 from ..api import finite_float32
-from ..api import validate as _validate
-from ..backends import dispatch as _dispatch
+from ..api import call as _call
 from ..errors import ContractError
 from ._convert import Kind, dtype_name
 
@@ -221,11 +220,11 @@ def _packed(query, key, value, past_state, decay, beta, *, q_num_heads, kv_num_h
         q4 = q4.repeat_interleave(L // Hq, dim=2)
         k4 = k4.repeat_interleave(L // Hk, dim=2)
 
-    o, state = _dispatch(_validate(
+    o, state = _call(
         q4, k4, v4, rule=update_rule, g=g, gk=gk, beta=b, scale=scale, initial_state=s,
         chunk_size=chunk_size if chunk_size >= 1 else 64,
         accept_growth=True,  # the runtime takes any log decay; linear_attention refuses > 0
-    ), "auto")
+    )
     output = o.reshape(B, T, o.shape[2] * d_v)
     return kind.out(output), kind.out(state.to(state_dtype))
 

@@ -26,8 +26,7 @@ import math
 import torch
 
 from ..api import finite_float32
-from ..api import validate as _validate
-from ..backends import dispatch as _dispatch
+from ..api import call as _call
 from ..errors import ContractError
 from ..gate import gate as _gate
 from ._convert import Kind, dtype_name
@@ -279,13 +278,13 @@ def gated_delta_net(
             g = raw
     beta_arg = rows(b) if b is not None else None
 
-    o, state = _dispatch(_validate(
+    o, state = _call(
         rows(q), rows(k), rows(v), rule=update_rule, g=g, gk=gk, beta=beta_arg, scale=scale,
         initial_state=s0, state_layout="vk", cu_seqlens=cu, qk_l2norm=l2norm,
         l2norm_eps=L2NORM_EPS, A_log=A_log, dt_bias=bias_arg if A_log is not None else None,
         beta_sigmoid=beta_activation == "sigmoid" and delta, chunk_size=chunk_size,
         accept_growth=True,  # the runtime takes any log decay; linear_attention refuses > 0
-    ), "auto")
+    )
     return kind.out(o.reshape(lead + (Hv, Dv))), kind.out(state)
 
 

@@ -25,8 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..aliasing import check_written
-from ..api import validate as _validate
-from ..backends import dispatch as _dispatch
+from ..api import call as _call
 from ..errors import ContractError
 from ._checks import check_rows, check_scale, check_tensor, float32_or, host_ints, names, state_tensor, write_back
 from ._convert import Kind, dtype_name
@@ -167,11 +166,11 @@ def gated_delta_update(query, key, value, beta, gate, state, seq_lens=None, slot
     check_written("state", slab, (("query", q), ("key", k), ("value", v), ("gate", d), ("beta", b),
                                   ("gate_bias", bias), ("gate_scale", rate)))
 
-    o, _ = _dispatch(_validate(
+    o, _ = _call(
         q, k, v, rule="gated_delta", g=None if per_key else d, gk=d if per_key else None, beta=b,
         scale=scale, initial_state=slab, state_layout="kv", seq_lens=lengths, state_indices=slots,
         A_log=A_log, dt_bias=bias,
         accept_growth=True,  # the runtime takes any log decay; linear_attention refuses > 0
-    ), "auto")
+    )
     write_back(state, slab, rows)
     return kind.out(o)

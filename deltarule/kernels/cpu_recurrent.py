@@ -4,11 +4,14 @@
 One call runs every (sequence, state head) task on `threads` POSIX threads (the
 caller's and helpers kept between calls); see the C file for the algorithm.
 Compute only: the caller passes operands in the API's token-major layout and
-the int64 span table; nothing is validated here.
+the int64 span table; nothing is validated here (but `check_decay`, the sign of
+the log decays, which the kernel scans before any work).
 
-The call packs the kernel's `problem` struct with one `struct.pack` (a few
-microseconds; a ctypes.Structure built field by field cost ~14 us per call,
-which a B = 1 decode notices).
+`Recurrence` packs the kernel's `problem` struct once: sizes, dtypes, strides,
+flags and the plan's tables; a run packs only the operands' addresses into it
+(one `pack_into` of 13 pointers) and calls the kernel with the buffer's address.
+A decode step's layers each run the same `Recurrence` (`backends.cpu_backend`
+keeps them with the plan), so their Python cost is a few microseconds.
 """
 
 from __future__ import annotations
@@ -17,18 +20,22 @@ import ctypes
 import importlib.util
 import os
 import struct
+import threading
 
 import torch
 
 ABSENT, SCALAR, CHANNEL = 0, 1, 2        # gate forms, as in recurrent.c
 TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # element types, as in recurrent.c
+OK, NO_MEMORY, POSITIVE_G, POSITIVE_GK, SHARED = 0, 1, 2, 3, 4      # deltarule_recurrent's results
 
 # recurrent.c's `problem`, field by field in native alignment:
-# q k v g gk b w s0 s o spans token_rows owner u_out (pointers);
-# N T Hv K V G rq rk token_cols checkpoint, s0_stride[4], s_stride[4] (int64);
-# b_form w_form qk_type v_type gk_type b_type w_type s0_type s_type stream_state qk_l2norm (int);
+# q k v g gk b w a_log dt_bias s0 s o (the operands: `_OPERANDS`) bad spans token_rows owner
+# u_out (pointers); N T Hv K V G rq rk token_cols tokens checkpoint, s0_stride[4],
+# s_stride[4], slab_bytes, operand_bytes[9] (int64); b_form w_form qk_type v_type g_type gk_type b_type w_type s0_type
+# s_type a_type dtb_type raw_gate gate_sigmoid check_decay stream_state prefetch_next qk_l2norm (int);
 # l2norm_eps scale (float)
-_PROBLEM = struct.Struct("@14P18q11i2f")
+_PROBLEM = struct.Struct("@17P29q18i2f")
+_OPERANDS = struct.Struct("@12P")
 _NO_STRIDES = (0, 0, 0, 0)
 # backward.c's `bproblem`: q k v u g gk b w ck ds dout spans dq dk dv dlam db dw ds0 (pointers);
 # N T Hv K V G rq rk chunk (int64); b_form w_form (int); scale (float)
@@ -45,7 +52,7 @@ def _load():
             return None
         path = spec.origin
     lib = ctypes.CDLL(path)
-    lib.deltarule_recurrent.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    lib.deltarule_recurrent.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.deltarule_recurrent.restype = ctypes.c_int
     lib.deltarule_problem_size.restype = ctypes.c_size_t
     lib.deltarule_backward.argtypes = [ctypes.c_char_p, ctypes.c_int]
@@ -65,63 +72,129 @@ def available() -> bool:
     return _LIB is not None
 
 
-def recurrent(q, k, v, g, gk, b, w, S0, S, o, spans, token_rows, owner, scale: float,
-              l2norm_eps: float | None, stream_state: bool, threads: int, u_out=None,
-              checkpoint: int = 0) -> None:
-    """Runs the recurrence; writes o and the states that spans and token_rows name.
+class Recurrence:
+    """One kernel call's `problem`, packed once; `run` supplies the operands.
+
+    The constructor takes example operands (their shapes, dtypes and strides are
+    fixed from then on; every later run's operands must match them) and the
+    tables, which it keeps alive:
 
     q [B, T, Hq', G, K], k [B, T, Hk, K] contiguous, one dtype of TYPES;
-    v [B, T, Hv, V] contiguous, a dtype of TYPES (Hq' and Hk divide Hv; G
-    query heads per state head);
-    g None | [B, T, Hv] float32, gk None | [B, T, Hv, K] (a dtype of TYPES)  log decays
-    (the kernel takes exp(gk + g));
-    b None | [B, T, Hv] | [B, T, Hv, K]  erase; w None | [B, T, Hv] | [B, T, Hv, V]  write
-    (scalar forms float32, per-channel forms a dtype of TYPES);
-    S0 None (every sequence starts from zeros) | [*, Hv, K, V], any strides, a dtype of TYPES
-    (widened to float32 when read); S [*, Hv, K, V], any strides, a dtype of TYPES (may be S0
-    itself: a slab updated in place); every store into S rounds to nearest even;
+    v [B, T, Hv, V] contiguous, a dtype of TYPES (Hq' and Hk divide Hv; G query
+    heads per state head);
+    g None | [B, T, Hv], gk None | [B, T, Hv, K]: log decays (the kernel takes
+    exp(gk + g)), or with `raw_gate` the raw projection of the one present and
+    a_log [Hv], dt_bias [Hv] (beside g) or [Hv, K] (beside gk): the log decay is
+    -exp(a_log) softplus(x + dt_bias);
+    b None | [B, T, Hv] | [B, T, Hv, K]  erase; w None | [B, T, Hv] | [B, T, Hv, V]
+    write (`gate_sigmoid`: their sigmoid is used); every gate contiguous, any
+    dtype of TYPES;
+    S0 None (every sequence starts from zeros) | [*, Hv, K, V], any strides, a
+    dtype of TYPES (widened to float32 when read); S [*, Hv, K, V], any strides,
+    a dtype of TYPES (may be S0 itself: a slab updated in place); every store
+    into S rounds to nearest even;
     o [B, T, Hv, G, V] contiguous in v's dtype;
-    spans [N, 5] int64 contiguous: (batch row, start, end, read row of S0 or -1 for zeros,
-    final row of S or -1 for none); a padding sequence has start == end and both rows -1;
-    token_rows None | [N, W] int64 contiguous, W >= every span's length: after token t of
-    sequence n (t < end - start), the state is stored into row token_rows[n, t] of S where
-    that is >= 0 (speculative decoding's per-token states); columns past a span's length
-    are ignored. The final row is stored as well where spans says so. Rows written by
-    different sequences must be distinct, and no sequence may read a row another writes; a
-    sequence's read row may be one of its own token rows (every read of a (sequence, head)
+    spans [N, 5] int64 contiguous: (batch row, start, end, read row of S0 or -1
+    for zeros, final row of S or -1 for none); a padding sequence has start ==
+    end and both rows -1;
+    token_rows None | [N, W] int64 contiguous, W >= every span's length: after
+    token t of sequence n (t < end - start), the state is stored into row
+    token_rows[n, t] of S where that is >= 0 (speculative decoding's per-token
+    states); columns past a span's length are ignored. The final row is stored
+    as well where spans says so. Rows written by different sequences must be
+    distinct, and no sequence may read a row another writes; a sequence's read
+    row may be one of its own token rows (every read of a (sequence, head)
     happens before its first write);
     owner None | [B*T] int32: the span whose output a token keeps (-1: none);
-    l2norm_eps: None, or L2-normalise q and k rows (x / sqrt(sum x^2 + eps)) as they are read;
-    stream_state: write the final states with streaming stores (past the caches; for a
-    fresh state, never for a slab in place); token rows always go past the caches where
-    they are 64-byte aligned, except into the row the sequence reads;
-    threads: threads to use, the caller's included (at most one per (sequence, head));
-    u_out: None | [B, T, Hv, V] float32 contiguous: receives u = w*v - S'^T (b*k) of every
-    token the spans run (what `backward` recomputes the states from);
-    checkpoint: 0, or a multiple of 16: a span of more than one token also stores its state
-    after every `checkpoint` tokens but its last into rows read + 1, read + 2, ... of S
-    (a differentiable forward's chunk starts, S being S0; `backward`'s `ck`).
+    l2norm_eps: None, or L2-normalise q and k rows (x / sqrt(sum x^2 + eps)) as
+    they are read;
+    check_decay: refuse a positive log decay in g or gk (not with raw_gate)
+    before any work: `run` returns POSITIVE_G / POSITIVE_GK and `bad` holds the
+    flat index of the first;
+    slab_bytes > 0 (S is S0, a slab in place): refuse an operand among q, k, v, g,
+    gk, b, w, a_log, dt_bias whose bytes [p, p + operand_bytes[i]) meet S's
+    [S, S + slab_bytes) before any work: `run` returns SHARED, `bad` = i;
+    stream_state: write the final states with streaming stores (past the
+    caches; for a fresh state, never for a slab in place); token rows always go
+    past the caches where they are 64-byte aligned, except into the row the
+    sequence reads;
+    prefetch_next: while a task runs, prefetch the next one's state (worth it for
+    states beyond the per-core cache);
+    u_out: None | [B, T, Hv, V] float32 contiguous: receives u = w*v - S'^T (b*k)
+    of every token the spans run (what `backward` recomputes the states from);
+    checkpoint: 0, or a multiple of 16: a span of more than one token also
+    stores its state after every `checkpoint` tokens but its last into rows
+    read + 1, read + 2, ... of S (a differentiable forward's chunk starts, S
+    being S0; `backward`'s `ck`).
     """
-    B, T, Hv, V = v.shape
-    s0_type = 0
-    if S0 is None:
-        s0, s0_stride = 0, _NO_STRIDES                 # never read without S0
-    else:
-        s0, s0_stride, s0_type = S0.data_ptr(), S0.stride(), TYPES[S0.dtype]
-    if token_rows is None:
-        rows, cols = 0, 0
-    else:
-        rows, cols = token_rows.data_ptr(), token_rows.shape[1]
-    packed = _PROBLEM.pack(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(g), _ptr(gk), _ptr(b), _ptr(w), s0, S.data_ptr(),
-        o.data_ptr(), spans.data_ptr(), rows, _ptr(owner), _ptr(u_out),
-        spans.shape[0], T, Hv, k.shape[3], V, q.shape[3], Hv // q.shape[2], Hv // k.shape[2], cols, checkpoint,
-        *s0_stride, *S.stride(),
-        _form(b), _form(w), TYPES[q.dtype], TYPES[v.dtype], _type(gk), _type(b), _type(w), s0_type,
-        TYPES[S.dtype], bool(stream_state), l2norm_eps is not None,
-        0.0 if l2norm_eps is None else l2norm_eps, scale)
-    if _LIB.deltarule_recurrent(packed, threads):
-        raise MemoryError("deltarule cpu kernel: no memory for a thread's tile buffer")
+
+    def __init__(self, q, k, v, g, gk, b, w, a_log, dt_bias, S0, S, o, spans, token_rows, owner, *,
+                 scale: float, l2norm_eps: float | None, raw_gate: bool = False, gate_sigmoid: bool = False,
+                 check_decay: bool = False, stream_state: bool = False, prefetch_next: bool = False,
+                 u_out=None, checkpoint: int = 0,
+                 slab_bytes: int = 0, operand_bytes: tuple[int, ...] = (0,) * 9):
+        B, T, Hv, V = v.shape
+        self._keep = (spans, token_rows, owner, u_out)       # the tables the struct points to
+        self._bad = torch.zeros(1, dtype=torch.int64)
+        rows, cols = (0, 0) if token_rows is None else (token_rows.data_ptr(), token_rows.shape[1])
+        self._buf = bytearray(_PROBLEM.pack(
+            *operands(q, k, v, g, gk, b, w, a_log, dt_bias, S0, S, o), self._bad.data_ptr(),
+            spans.data_ptr(), rows, _ptr(owner), _ptr(u_out),
+            spans.shape[0], T, Hv, k.shape[3], V, q.shape[3], Hv // q.shape[2], Hv // k.shape[2], cols, B * T,
+            checkpoint, *(_NO_STRIDES if S0 is None else S0.stride()), *S.stride(), slab_bytes, *operand_bytes,
+            _form(b), _form(w), TYPES[q.dtype], TYPES[v.dtype], _type(g), _type(gk), _type(b), _type(w),
+            0 if S0 is None else TYPES[S0.dtype], TYPES[S.dtype], _type(a_log), _type(dt_bias),
+            bool(raw_gate), bool(gate_sigmoid), bool(check_decay), bool(stream_state), bool(prefetch_next),
+            l2norm_eps is not None,
+            0.0 if l2norm_eps is None else l2norm_eps, scale))
+        self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
+        self._busy = threading.Lock()
+
+    @property
+    def bad(self) -> int:
+        """After a run that returned POSITIVE_G / POSITIVE_GK: the flat index of the first
+        positive log decay in g / gk."""
+        return int(self._bad[0])
+
+    def run(self, pointers: tuple[int, ...], threads: int) -> int:
+        """Runs the recurrence on the operands at these addresses (`operands`; shapes, dtypes
+        and strides as the constructor's); writes o and the states the tables name. Returns
+        OK, or POSITIVE_G / POSITIVE_GK / SHARED (nothing was written; `bad` says where);
+        raises MemoryError. Thread-safe: a call that finds the buffer in use by another
+        thread's call (the kernel releases the GIL) packs a private copy of it."""
+        if not self._busy.acquire(False):
+            return self._run_private(pointers, threads)
+        try:
+            _OPERANDS.pack_into(self._buf, 0, *pointers)
+            return self._result(_LIB.deltarule_recurrent(self._address, threads))
+        finally:
+            self._busy.release()
+
+    def run_packed(self, threads: int) -> int:
+        """`run` on the operands the constructor took (the caller keeps them alive; one thread)."""
+        return self._result(_LIB.deltarule_recurrent(self._address, threads))
+
+    def _run_private(self, pointers, threads: int) -> int:
+        buf = bytearray(self._buf)
+        bad = torch.zeros(1, dtype=torch.int64)
+        _OPERANDS.pack_into(buf, 0, *pointers)
+        struct.pack_into("@P", buf, _OPERANDS.size, bad.data_ptr())     # `bad` follows the operands
+        result = self._result(_LIB.deltarule_recurrent(ctypes.addressof(ctypes.c_char.from_buffer(buf)), threads))
+        if result != OK:
+            self._bad.copy_(bad)
+        return result
+
+    @staticmethod
+    def _result(result: int) -> int:
+        if result == NO_MEMORY:
+            raise MemoryError("deltarule cpu kernel: no memory for a thread's tile buffer")
+        return result
+
+
+def operands(q, k, v, g, gk, b, w, a_log, dt_bias, S0, S, o) -> tuple[int, ...]:
+    """The operands' addresses, in `Recurrence.run`'s order (0 for an absent one)."""
+    return (q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(g), _ptr(gk), _ptr(b), _ptr(w), _ptr(a_log),
+            _ptr(dt_bias), _ptr(S0), S.data_ptr(), o.data_ptr())
 
 
 def backward(q, k, v, u, g, gk, b, w, ck, ds, do, spans, dq, dk, dv, dlam, db, dw, ds0, scale: float,

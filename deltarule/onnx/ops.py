@@ -60,8 +60,7 @@ import onnx.inliner
 import torch
 from onnx import TensorProto, helper
 
-from ..api import validate as _validate
-from ..backends import dispatch as _dispatch
+from ..api import call as _call
 from ..contracts import onnx as _onnx_contract
 from ..contracts._convert import Kind, dtype_name
 from ..errors import ContractError
@@ -518,12 +517,12 @@ def linear_attention(query, key, value, past_state=None, decay=None, beta=None, 
 
     s, state_dtype = _onnx_contract.past_state_of(kind, past_state, q, B, Hkv, d_k, d_v)
 
-    o, state = _dispatch(_validate(
+    o, state = _call(
         q.reshape(B, T, Hq, d_k), k.reshape(B, T, Hkv, d_k), v.reshape(B, T, Hkv, d_v), rule=update_rule,
         g=g, gk=gk, erase=e.reshape(B, T, Hkv, d_k), write=w.reshape(B, T, Hkv, d_v), scale=scale,
         initial_state=s, chunk_size=chunk_size if chunk_size >= 1 else 64,
         accept_growth=True,  # the runtime takes any log decay; linear_attention refuses > 0
-    ), "auto")
+    )
     return kind.out(o.reshape(B, T, Hq * d_v)), kind.out(state.to(state_dtype))
 
 

@@ -211,6 +211,25 @@ INLINE void put(void *x, int64_t off, vf y, int type, int nt)
     }
     uint16_t *dst = (uint16_t *)x + off;
     vh h;
+#if VEC == 16 && defined(__AVX512BF16__)
+    /* one instruction (round to nearest even) instead of the bit arithmetic below: bfloat16 slabs
+     * decoded 1.45x faster. It reads denormals as zero and keeps a NaN's payload, so a vector with
+     * a denormal takes the bit arithmetic, and NaNs become torch's BF16_NAN. */
+    if (type == BF16) {
+        const __m512 a = (__m512)y;
+        const __mmask16 denormal = _mm512_cmp_ps_mask(_mm512_abs_ps(a), _mm512_set1_ps(0x1p-126f), _CMP_LT_OQ)
+                                   & _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+        if (!denormal) {
+            __m256i z = (__m256i)_mm512_cvtneps_pbh(a);
+            z = _mm256_mask_blend_epi16(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), z, _mm256_set1_epi16(BF16_NAN));
+            if (nt)
+                stream(dst, &z, sizeof z);
+            else
+                memcpy(dst, &z, sizeof z);
+            return;
+        }
+    }
+#endif
     if (type == BF16)
         h = __builtin_convertvector(bf16_bits(y), vh);
     else {
@@ -282,13 +301,18 @@ static void narrow(void *x, int64_t off, const float *src, int64_t n, int type)
 
 typedef struct {
     const void *q, *k, *v;           /* [B, T, Hv/rq, G, K], [B, T, Hv/rk, K] (qk_type), [B, T, Hv, V] (v_type) */
-    const float *g;                  /* NULL or [B, T, Hv] scalar log decay */
+    const void *g;                   /* NULL or [B, T, Hv] scalar log decay (g_type) */
     const void *gk;                  /* NULL or [B, T, Hv, K] per-key log decay (gk_type) */
-    const void *b, *w;               /* erase, write: float32 [B, T, Hv], or [B, T, Hv, K] (b, b_type)
-                                        and [B, T, Hv, V] (w, w_type), by their forms */
+    const void *b, *w;               /* erase, write: [B, T, Hv] or [B, T, Hv, K] (b, b_type) and
+                                        [B, T, Hv] or [B, T, Hv, V] (w, w_type), by their forms */
+    const void *a_log, *dt_bias;     /* raw gate arm (raw_gate): [Hv] (a_type), [Hv] beside g or [Hv, K]
+                                        beside gk (dtb_type); the decay gate is then the raw projection x
+                                        and the log decay -exp(a_log) softplus(x + dt_bias) */
     const void *s0;                  /* NULL or states [row, Hv, K, V] (s0_type) at strides s0_stride */
     void *s;                         /* states (s_type) at strides s_stride (may be s0: a slab in place) */
     void *o;                         /* [B, T, Hv, G, V] (v_type) */
+    int64_t *bad;                    /* a refusal's finding: the flat index of the first positive log
+                                        decay (of g, else of gk), or the operand that meets the slab */
     const int64_t *spans;            /* [N, 5]: row, start, end, read row of s0 (-1: zeros), final row of s (-1: none) */
     const int64_t *token_rows;       /* NULL or [N, token_cols]: the row of s that takes the state after
                                         each token of a sequence (-1: none) */
@@ -296,14 +320,24 @@ typedef struct {
     float *u_out;                    /* NULL, or [B, T, Hv, V] float32: every token's u = w*v - r, kept by
                                         a differentiable forward for the backward's recompute */
     int64_t N, T, Hv, K, V, G, rq, rk, token_cols;
+    int64_t tokens;                  /* B * T: the rows of q, k, v and the gates (check_decay scans them all) */
     int64_t checkpoint;              /* 0, or a multiple of TB: the tile path also stores the state after
                                         every `checkpoint` tokens of a span but its last into row
                                         read + 1, read + 2, ... of s (a differentiable forward's chunk
                                         starts; the final row follows them) */
     int64_t s0_stride[4], s_stride[4];   /* in elements: row, head, key, value */
+    int64_t slab_bytes;              /* > 0: refuse (return 4, *bad the operand's position) an operand
+                                        among q .. dt_bias whose bytes [p, p + operand_bytes[i]) meet the
+                                        slab's [s, s + slab_bytes) (s0 == s, updated in place) */
+    int64_t operand_bytes[9];        /* q k v g gk b w a_log dt_bias: their byte extents (0: unchecked) */
     int b_form, w_form;
-    int qk_type, v_type, gk_type, b_type, w_type, s0_type, s_type;
+    int qk_type, v_type, g_type, gk_type, b_type, w_type, s0_type, s_type, a_type, dtb_type;
+    int raw_gate;                    /* g or gk is the raw projection (a_log, dt_bias) */
+    int gate_sigmoid;                /* b and w are logits: their sigmoid is used */
+    int check_decay;                 /* refuse (return 2, *bad set) a positive log decay before any work */
     int stream_state;                /* write final states with streaming stores (a large fresh state) */
+    int prefetch_next;               /* prefetch the next task's state (states beyond the L2 cache: while
+                                        they fit, the prefetches only cost, 5-10 % at B = 1) */
     int qk_l2norm;                   /* normalise staged q and k rows: x / sqrt(sum x^2 + l2norm_eps) */
     float l2norm_eps;
     float scale;
@@ -322,6 +356,7 @@ typedef struct {
     int *lazy;                       /* [TB] */
     float *c;                        /* [K] the lazy scale after the block's last token */
     float *vw;                       /* [TB, TILE] w*v of one tile, zero-padded */
+    float *dtb;                      /* [K] the head's per-key dt_bias (raw gate arm), widened */
     float *acc;                      /* whole rows: [V] r, [G, V] p, [V] u */
 } scratch;
 
@@ -351,6 +386,69 @@ static inline vf vexp(vf x)
     const vi ni = (vi)t - (vi)shifter, n1 = ni >> 1, n2 = ni - n1;   /* n = n1 + n2, each in [-76, 65) */
     const vf y = p * (vf)((n1 + 127) << 23) * (vf)((n2 + 127) << 23);
     return (vf)(((vi)y & ~nan) | ((vi)splat(__builtin_nanf("")) & nan));
+}
+
+/* softplus(x) = log(1 + exp(x)) = max(x, 0) + log1p(exp(-|x|)), log1p(e) = 2 atanh(e / (2 + e)) by
+ * its series to z^13 (z <= 1/3: relative error below 1e-9, and exact for tiny e); NaN stays NaN,
+ * +inf gives +inf, -inf 0 (as torch's softplus) */
+static inline vf vsoftplus(vf x)
+{
+    const vf pos = (vf)((vi)x & (vi)(x > splat(0.0f)));      /* max(x, 0), NaN -> 0 */
+    const vf e = vexp(-(vf)((vi)x & 0x7fffffff));
+    const vf z = e / (splat(2.0f) + e), z2 = z * z;
+    vf p = splat(1.0f / 13);
+    p = p * z2 + splat(1.0f / 11);
+    p = p * z2 + splat(1.0f / 9);
+    p = p * z2 + splat(1.0f / 7);
+    p = p * z2 + splat(1.0f / 5);
+    p = p * z2 + splat(1.0f / 3);
+    p = p * z2 + splat(1.0f);
+    return pos + splat(2.0f) * z * p;
+}
+
+static inline float softplus1(float x)
+{
+    return (x > 0.0f ? x : 0.0f) + log1pf(expf(-fabsf(x)));
+}
+
+static inline vf vsigmoid(vf x)
+{
+    return splat(1.0f) / (splat(1.0f) + vexp(-x));
+}
+
+static inline float sigmoid1(float x)
+{
+    return 1.0f / (1.0f + expf(-x));
+}
+
+/* x[0:n] = sigmoid(x[0:n]) */
+static void sigmoid_n(float *x, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + VEC <= n; i += VEC) {
+        vf a;
+        memcpy(&a, x + i, sizeof a);
+        a = vsigmoid(a);
+        memcpy(x + i, &a, sizeof a);
+    }
+    for (; i < n; i++)
+        x[i] = sigmoid1(x[i]);
+}
+
+/* x[0:n] = -exp(a) softplus(x[0:n] + bias[0:n]): the raw gate arm of per-key decays */
+static void raw_decay_n(float *x, float a, const float *bias, int64_t n)
+{
+    const float rate = -expf(a);
+    int64_t i = 0;
+    for (; i + VEC <= n; i += VEC) {
+        vf y, c;
+        memcpy(&y, x + i, sizeof y);
+        memcpy(&c, bias + i, sizeof c);
+        y = splat(rate) * vsoftplus(y + c);
+        memcpy(x + i, &y, sizeof y);
+    }
+    for (; i < n; i++)
+        x[i] = rate * softplus1(x[i] + bias[i]);
 }
 
 /* out[i] = exp(x[i] + shift), i < n */
@@ -515,9 +613,15 @@ static void key_side(const problem *P, const scratch *W, int64_t bt0, int64_t h,
         const int64_t th = (bt0 + s) * Hv + h;
         const float *kt = W->kb + s * K, *qt = W->qb + s * G * K;
         float *cd = W->cd + s * K, *eb = W->eb + s * K, *kc = W->kc + s * K;
-        const float gs = P->g ? P->g[th] : 0.0f;
+        float gs = P->g ? get1(P->g, th, P->g_type) : 0.0f;
+        if (P->g && P->raw_gate)
+            gs = -expf(get1(P->a_log, h, P->a_type)) * softplus1(gs + get1(P->dt_bias, h, P->dtb_type));
         if (P->gk) {
             widen(cd, P->gk, th * K, K, P->gk_type);
+            if (P->raw_gate) {
+                widen(W->dtb, P->dt_bias, h * K, K, P->dtb_type);
+                raw_decay_n(cd, get1(P->a_log, h, P->a_type), W->dtb, K);
+            }
             exp_shifted(cd, cd, gs, K);
             for (int64_t i = 0; i < K; i++)
                 cd[i] *= c[i];
@@ -532,10 +636,14 @@ static void key_side(const problem *P, const scratch *W, int64_t bt0, int64_t h,
         W->lazy[s] = !outside;
         if (P->b_form == CHANNEL) {
             widen(eb, P->b, th * K, K, P->b_type);
+            if (P->gate_sigmoid)
+                sigmoid_n(eb, K);
             for (int64_t i = 0; i < K; i++)
                 eb[i] *= cd[i] * kt[i];
         } else {
-            const float bs = P->b_form == SCALAR ? ((const float *)P->b)[th] : 0.0f;
+            float bs = P->b_form == SCALAR ? get1(P->b, th, P->b_type) : 0.0f;
+            if (P->b_form == SCALAR && P->gate_sigmoid)
+                bs = sigmoid1(bs);
             for (int64_t i = 0; i < K; i++)
                 eb[i] = cd[i] * bs * kt[i];
         }
@@ -568,11 +676,13 @@ static void load_wv(const problem *P, int64_t th, int64_t j0, int64_t n, float *
             float wt[TILE];
             const int64_t m = n - j < TILE ? n - j : TILE;
             widen(wt, P->w, th * V + j0 + j, m, P->w_type);
+            if (P->gate_sigmoid)
+                sigmoid_n(wt, m);
             for (int64_t l = 0; l < m; l++)
                 vw[j + l] *= wt[l];
         }
     else if (P->w_form == SCALAR) {
-        const float ws = ((const float *)P->w)[th];
+        const float ws = P->gate_sigmoid ? sigmoid1(get1(P->w, th, P->w_type)) : get1(P->w, th, P->w_type);
         for (int64_t j = 0; j < n; j++)
             vw[j] *= ws;
     }
@@ -730,9 +840,38 @@ INLINE void prefetch(const ahead *A, int64_t i)
 
 /* ra = S^T e (unless e is NULL) and rb = S^T f over whole rows: row i at element i*ld of S
  * (type), V a multiple of VEC */
+/* read_rows for e and f both given and V a multiple of STRIP: each strip of STRIP columns keeps
+ * its two sums in registers over all K rows (one load and two FMAs per state vector) */
+#define STRIP (VEC == 16 ? 128 : 32)
+#define SV (STRIP / VEC)
+INLINE void read_strips(const void *S, int64_t ld, int type, const float *e, const float *f, int64_t K, int64_t V,
+                        float *ra, float *rb)
+{
+    for (int64_t j = 0; j < V; j += STRIP) {
+        vf x[SV], y[SV];
+        UNROLL for (int l = 0; l < SV; l++) x[l] = y[l] = splat(0.0f);
+        for (int64_t i = 0; i < K; i++) {
+            const vf a = splat(e[i]), b = splat(f[i]);
+            UNROLL for (int l = 0; l < SV; l++) {
+                const vf s = get(S, i * ld + j + l * VEC, type);
+                x[l] += a * s;
+                y[l] += b * s;
+            }
+        }
+        UNROLL for (int l = 0; l < SV; l++) {
+            *(vf *)(ra + j + l * VEC) = x[l];
+            *(vf *)(rb + j + l * VEC) = y[l];
+        }
+    }
+}
+
 INLINE void read_rows(const void *S, int64_t ld, int type, const float *e, const float *f, int64_t K, int64_t V,
                       float *ra, float *rb)
 {
+    if (e && V % STRIP == 0) {
+        read_strips(S, ld, type, e, f, K, V, ra, rb);
+        return;
+    }
     for (int64_t j = 0; j < V; j++) {
         rb[j] = 0.0f;
         if (e)
@@ -922,12 +1061,49 @@ static void run_task(const problem *P, const scratch *W, int64_t n, int64_t h, c
             store_tile(P, W->tiles + x * K * TILE, W->c, out, h, x * TILE, P->stream_state);
 }
 
+/* Tasks are split into one contiguous block per thread of the call (the caller's first, then
+ * the helpers', by their ids): a thread drains its own block, then takes what is left of the
+ * others'. So the same heads run on the same thread call after call, their states staying in
+ * that core's cache (a shared counter dealt them out anew: B = 1 decode on 2 threads ran at
+ * 0.69x its 1-thread time), and a helper that never arrives leaves its block to the others. */
+#define MAX_BLOCKS 64
+typedef struct {
+    atomic_llong next;               /* the block's next task */
+    int64_t end;
+    char pad[48];                    /* a cache line per block */
+} block;
+
 typedef struct {
     const problem *P;
     int64_t tasks;
-    atomic_llong next;               /* the next task to take (dynamic schedule) */
+    int blocks;
     atomic_int failed;
+    block block[MAX_BLOCKS];
 } pool;
+
+/* The next task for thread `me` (its block first), or -1 */
+static int64_t claim(pool *W, int me)
+{
+    for (int k = 0; k < W->blocks; k++) {
+        block *b = &W->block[(me + k) % W->blocks];
+        if (atomic_load_explicit(&b->next, memory_order_relaxed) >= b->end)
+            continue;
+        const int64_t t = atomic_fetch_add(&b->next, 1);
+        if (t < b->end)
+            return t;
+    }
+    return -1;
+}
+
+/* W's tasks split into n blocks */
+static void split(pool *W, int n)
+{
+    W->blocks = n;
+    for (int b = 0; b < n; b++) {
+        atomic_init(&W->block[b].next, W->tasks * b / n);
+        W->block[b].end = W->tasks * (b + 1) / n;
+    }
+}
 
 /* A thread's scratch memory, kept for its next call (freed when the thread exits): a
  * fresh allocation of this size was page-faulted in again on every call (helper
@@ -949,13 +1125,13 @@ static void *scratch_memory(size_t bytes)
     return kept.mem;
 }
 
-static void *work(void *arg)
+/* Thread `me` of the call (0: the caller) works on W's tasks until none is left */
+static void work(pool *W, int me)
 {
-    pool *W = arg;
     const problem *P = W->P;
     const int64_t K = P->K, G = P->G, tiles = (P->V + TILE - 1) / TILE;
     const int64_t acc = ((G + 2) * P->V + 15) / 16 * 16;
-    const int64_t floats = (acc + TB * (TILE + (4 + 2 * G) * K + G) + K + 15) / 16 * 16;
+    const int64_t floats = (acc + TB * (TILE + (4 + 2 * G) * K + G) + 2 * K + 15) / 16 * 16;
     const size_t tile_bytes = sizeof(float) * tiles * K * TILE;     /* a multiple of 64 */
     char *mem = scratch_memory(tile_bytes + sizeof(float) * floats + sizeof(int) * TB);
     if (!mem)
@@ -972,32 +1148,38 @@ static void *work(void *arg)
         s.eq = s.kc + TB * K;
         s.kq = s.eq + TB * G * K;
         s.c = s.kq + TB * G;
+        s.dtb = s.c + K;
         s.lazy = (int *)(f + floats);
         /* each task after the first is claimed while the one before runs, which prefetches its state */
         const int64_t size = size_of(P->s0_type), *st = P->s0_stride;
-        for (int64_t task = atomic_fetch_add(&W->next, 1), then; task < W->tasks; task = then) {
-            then = atomic_fetch_add(&W->next, 1);
-            const int64_t m = then / P->Hv, in = then < W->tasks ? P->spans[5 * m + 3] : -1;
-            const char *next = in >= 0 && st[3] == 1
+        for (int64_t task = claim(W, me), then; task >= 0; task = then) {
+            then = claim(W, me);
+            const int64_t m = then / P->Hv, in = then >= 0 ? P->spans[5 * m + 3] : -1;
+            const char *next = P->prefetch_next && in >= 0 && st[3] == 1
                 ? (const char *)P->s0 + (in * st[0] + then % P->Hv * st[1]) * size : NULL;
             run_task(P, &s, task / P->Hv, task % P->Hv, next);
         }
     }
     __atomic_thread_fence(__ATOMIC_SEQ_CST);   /* orders the streaming stores before the join */
-    return NULL;
 }
 
 /* The helper threads, kept between calls (creating a thread costs tens of microseconds).
- * Idle helpers block (no spinning beside torch's threads). On this VM a wake-up
- * is slow: the signal costs the caller ~10 us and the helper arrives ~15-30 us
- * later (an idle vCPU is woken), a large part of a B = 1 decode (~70 us of
- * tasks). So the call never waits for a helper to arrive: once the calling
- * thread finds no task left it closes the call, a helper that arrives later
- * stays out, and the caller waits only for those that joined, spinning up to
- * JOIN_SPIN_NS for their last task before it blocks (being woken would cost
- * it another ~15 us). One call at a time uses them; a concurrent call runs on
- * its own thread alone. A forked child starts with none. */
+ * On these VMs a wake-up is slow: the signal costs the caller ~10 us and the helper
+ * arrives ~15-30 us later (an idle vCPU is woken), a large part of a B = 1 decode (~30 us
+ * of tasks on two threads). So a helper that finishes a call spins a while, watching for
+ * the next one, before it blocks, and the caller signals only helpers that sleep. How long:
+ * twice the recent gap between calls (an average the caller keeps), when that is under
+ * HELPER_SPIN_NS, else not at all: calls back to back (a benchmark, a model's layers with
+ * little between them) find their helpers awake, while a helper never spins through the
+ * torch work between calls that are far apart (with a 0.1 ms GEMM on both cores between
+ * B = 1 calls, a fixed 100 us spin cost more than the second thread saved). And the call
+ * never waits for a helper to arrive: once the calling thread finds no task left it
+ * closes the call, a helper that arrives later stays out, and the caller waits only for
+ * those that joined, spinning up to JOIN_SPIN_NS for their last task before it blocks
+ * (being woken would cost it another ~15 us). One call at a time uses them; a concurrent
+ * call runs on its own thread alone. A forked child starts with none. */
 #define JOIN_SPIN_NS 50000
+#define HELPER_SPIN_NS 50000
 static struct {
     pthread_mutex_t busy;            /* held by the call that uses the helpers */
     pthread_mutex_t m;
@@ -1006,10 +1188,20 @@ static struct {
     int wanted;                      /* helpers asked to join this call */
     atomic_int active;               /* helpers working on it (changed under m) */
     int open;                        /* the call still takes helpers */
-    long generation;                 /* bumped per call */
+    int sleeping;                    /* helpers blocked on go (changed under m) */
+    int64_t last_end;                /* when the last call with helpers ended (ns; under busy) */
+    atomic_llong gap;                /* the recent gap between such calls (ns, an average) */
+    atomic_long generation;          /* bumped per call (under m; spinning helpers read it without) */
     pool *job;
 } team;
 static pthread_once_t team_once = PTHREAD_ONCE_INIT;
+
+static inline int64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
 
 static inline void spin_pause(void)
 {
@@ -1024,9 +1216,11 @@ static void team_reset(void)
     pthread_mutex_init(&team.m, NULL);
     pthread_cond_init(&team.go, NULL);
     pthread_cond_init(&team.done, NULL);
-    team.started = team.wanted = team.open = 0;
+    team.started = team.wanted = team.open = team.sleeping = 0;
+    team.last_end = 0;
+    atomic_init(&team.gap, HELPER_SPIN_NS);
     atomic_init(&team.active, 0);
-    team.generation = 0;
+    atomic_init(&team.generation, 0);
     team.job = NULL;
 }
 
@@ -1043,14 +1237,27 @@ static void *helper(void *arg)
     long seen = 0;
     pthread_mutex_lock(&team.m);
     for (;;) {
-        while (team.generation == seen)
+        const int64_t gap = atomic_load(&team.gap);
+        if (atomic_load(&team.generation) == seen && gap < HELPER_SPIN_NS) {  /* spin for the next call */
+            pthread_mutex_unlock(&team.m);
+            const int64_t t0 = now_ns();
+            do
+                for (int i = 0; i < 64 && atomic_load_explicit(&team.generation, memory_order_relaxed) == seen; i++)
+                    spin_pause();
+            while (atomic_load(&team.generation) == seen && now_ns() - t0 < 2 * gap);
+            pthread_mutex_lock(&team.m);
+        }
+        while (atomic_load(&team.generation) == seen) {
+            team.sleeping++;
             pthread_cond_wait(&team.go, &team.m);
-        seen = team.generation;
+            team.sleeping--;
+        }
+        seen = atomic_load(&team.generation);
         if (id < team.wanted && team.open) {
             pool *job = team.job;
             team.active++;
             pthread_mutex_unlock(&team.m);
-            work(job);
+            work(job, id + 1);
             pthread_mutex_lock(&team.m);
             if (--team.active == 0 && !team.open)
                 pthread_cond_signal(&team.done);
@@ -1059,23 +1266,67 @@ static void *helper(void *arg)
     return NULL;
 }
 
+/* The flat index of the first element of x[0:n] (type) above zero, or -1 (NaN is not) */
+static int64_t first_positive(const void *x, int64_t n, int type)
+{
+    int64_t i = 0;
+    for (; i + VEC <= n; i += VEC) {
+        const vi above = get(x, i, type) > splat(0.0f);
+        int any = 0;
+        for (int l = 0; l < VEC; l++)
+            any |= above[l];
+        if (any)
+            break;
+    }
+    for (; i < n; i++)
+        if (get1(x, i, type) > 0.0f)
+            return i;
+    return -1;
+}
+
 /* Runs every (sequence, head) task on the calling thread and up to threads - 1
  * helpers, sharing the tasks through an atomic counter (any number of threads
- * completes them). Returns nonzero if a buffer could not be allocated (some
- * tasks then did not run). */
+ * completes them). Returns 0, 1 if a buffer could not be allocated (some tasks
+ * then did not run); before any work, 4 if an operand meets the slab
+ * (slab_bytes), or with check_decay 2 (3) if g (gk) holds a positive log decay
+ * (*bad says where). */
 int deltarule_recurrent(const problem *P, int threads)
 {
+    if (P->slab_bytes > 0) {
+        const uintptr_t lo = (uintptr_t)P->s, hi = lo + (uintptr_t)P->slab_bytes;
+        const void *operand[9] = {P->q, P->k, P->v, P->g, P->gk, P->b, P->w, P->a_log, P->dt_bias};
+        for (int i = 0; i < 9; i++) {
+            const uintptr_t a = (uintptr_t)operand[i];
+            if (P->operand_bytes[i] > 0 && a < hi && lo < a + (uintptr_t)P->operand_bytes[i]) {
+                *P->bad = i;
+                return 4;
+            }
+        }
+    }
+    if (P->check_decay && !P->raw_gate) {
+        if (P->g && (*P->bad = first_positive(P->g, P->tokens * P->Hv, P->g_type)) >= 0)
+            return 2;
+        if (P->gk && (*P->bad = first_positive(P->gk, P->tokens * P->Hv * P->K, P->gk_type)) >= 0)
+            return 3;
+    }
     pool W = {.P = P, .tasks = P->N * P->Hv};
-    atomic_init(&W.next, 0);
     atomic_init(&W.failed, 0);
     if (W.tasks == 0)                /* no task: no thread, no scratch */
         return 0;
     if (threads > W.tasks)
         threads = (int)W.tasks;
+    if (threads > MAX_BLOCKS)
+        threads = MAX_BLOCKS;
     pthread_once(&team_once, team_init);
     if (threads < 2 || pthread_mutex_trylock(&team.busy) != 0) {
-        work(&W);
+        split(&W, 1);
+        work(&W, 0);
         return atomic_load(&W.failed);
+    }
+    const int64_t start = now_ns();
+    if (team.last_end) {             /* the recent gap between calls: how long helpers spin */
+        const int64_t gap = start - team.last_end, was = atomic_load(&team.gap);
+        atomic_store(&team.gap, (3 * was + (gap < 10 * HELPER_SPIN_NS ? gap : 10 * HELPER_SPIN_NS)) / 4);
     }
     pthread_mutex_lock(&team.m);
     for (; team.started < threads - 1; team.started++) {
@@ -1089,12 +1340,14 @@ int deltarule_recurrent(const problem *P, int threads)
             break;
     }
     team.wanted = threads - 1 < team.started ? threads - 1 : team.started;
+    split(&W, 1 + team.wanted);
     team.open = 1;
     team.job = &W;
-    team.generation++;
-    pthread_cond_broadcast(&team.go);
+    atomic_fetch_add(&team.generation, 1);
+    if (team.sleeping)               /* the spinning ones see the generation */
+        pthread_cond_broadcast(&team.go);
     pthread_mutex_unlock(&team.m);
-    work(&W);
+    work(&W, 0);
     pthread_mutex_lock(&team.m);
     team.open = 0;                   /* every task is taken: a helper still on its way stays out */
     pthread_mutex_unlock(&team.m);
@@ -1109,6 +1362,7 @@ int deltarule_recurrent(const problem *P, int threads)
     while (team.active > 0)
         pthread_cond_wait(&team.done, &team.m);
     pthread_mutex_unlock(&team.m);
+    team.last_end = now_ns();
     pthread_mutex_unlock(&team.busy);
     return atomic_load(&W.failed);
 }

@@ -1,0 +1,139 @@
+"""deltarule under `torch.compile` (issue 20): a traced call becomes one of the custom ops of
+`deltarule.library`, so `fullgraph=True` compiles (a graph break is an error there) and the
+compiled function matches eager, gradients included. With a plan the traced code reads no index
+tensor on the host (a `.tolist()` or `.item()` in traced code is a graph break, so an error
+with `fullgraph=True`): the property a CUDA graph capture needs. Each test names the backend
+the op runs on. The transformers models under `generate(compile_config=...)` are in
+tests/test_transformers.py.
+"""
+
+import pytest
+import torch
+
+import deltarule
+from deltarule import ContractError, cases
+from deltarule.check import expected
+
+from conftest import CPU, rel, small_case
+
+SLOTS = 6
+
+
+class Graphs:
+    """A Dynamo backend that keeps the graphs it is given and runs them eagerly: the test reads
+    which deltarule ops a compiled function calls."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def ops(self) -> list[str]:
+        return [str(node.target) for gm in self.graphs for node in gm.graph.nodes
+                if node.op == "call_function" and "deltarule" in str(node.target)]
+
+
+def compiled(fn):
+    graphs = Graphs()
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=graphs, fullgraph=True), graphs
+
+
+def decode_inputs(B=2, T=1, **over):
+    args = cases.make_inputs(small_case(B=B, T=T, initial_state=False, **over))
+    args["initial_state"] = torch.randn(SLOTS, args["v"].shape[2], args["q"].shape[3], args["v"].shape[3])
+    return args
+
+
+def gated(q, k, v, g, beta, initial_state, plan, backend):
+    o, state = deltarule.linear_attention(q, k, v, g=g, beta=beta, initial_state=initial_state, plan=plan,
+                                          backend=backend)
+    return o * 2, state
+
+
+@pytest.mark.parametrize("backend", [CPU, "torch"])
+@pytest.mark.parametrize("T", [1, 3], ids=["decode", "verify"])
+def test_fullgraph_with_a_plan_updates_the_slab_as_eager(T, backend):
+    args = decode_inputs(T=T)
+    rows = torch.tensor([4, 1])
+    plan = deltarule.plan_batch(2, T, state_indices=rows, num_slots=SLOTS)
+    want_o, want_slab = expected({**args, "state_indices": rows})
+    fn, graphs = compiled(gated)
+    for step in range(3):                                   # traced once, then the compiled code runs
+        slab = args["initial_state"].clone()
+        o, state = fn(args["q"], args["k"], args["v"], args["g"], args["beta"], slab, plan, backend)
+        assert state is slab or torch.equal(state, slab)
+        assert rel(o, 2 * torch.as_tensor(want_o)) < 1e-5 and rel(slab, want_slab) < 1e-5, step
+    assert graphs.ops() == ["deltarule.linear_attention_slab.default"]
+
+
+def test_a_plan_reaches_the_op_as_its_handle_only():
+    """The plan's index tensors are not the op's arguments: nothing of them is read by traced
+    code, whatever their values (a plan rebuilt with other rows reuses the same graph)."""
+    args = decode_inputs()
+    fn, graphs = compiled(gated)
+    for rows in ([4, 1], [0, 5], [2, 3]):
+        plan = deltarule.plan_batch(2, 1, state_indices=torch.tensor(rows), num_slots=SLOTS)
+        slab = args["initial_state"].clone()
+        o, _ = fn(args["q"], args["k"], args["v"], args["g"], args["beta"], slab, plan, "cpu")
+        want_o, want_slab = expected({**args, "state_indices": torch.tensor(rows)})
+        assert rel(o, 2 * torch.as_tensor(want_o)) < 1e-5 and rel(slab, want_slab) < 1e-5, rows
+    assert len(graphs.graphs) == 1
+    (placeholders,) = [[n for n in gm.graph.nodes if n.op == "placeholder"] for gm in graphs.graphs]
+    assert all(tuple(n.meta["example_value"].shape) != (2,) or n.meta["example_value"].dtype.is_floating_point
+               for n in placeholders), "an index tensor of the plan became a graph input"
+
+
+@pytest.mark.parametrize("backend", [CPU, "torch"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "cu_seqlens"])
+def test_fullgraph_without_a_plan_matches_eager(varlen, backend):
+    over = dict(B=1, T=19, cu_seqlens=[0, 7, 7, 19]) if varlen else dict(B=2, T=19)
+    args = cases.make_inputs(small_case(decay="gk", update="erase_write", **over))
+
+    def fn(args):
+        o, state = deltarule.linear_attention(**args, backend=backend)
+        return o.sum(-1), state
+
+    eager = fn(args)
+    fn_compiled, graphs = compiled(fn)
+    for got, want in zip(fn_compiled(args), eager):
+        assert got.shape == want.shape and rel(got, want) < 1e-6
+    assert graphs.ops() == ["deltarule.linear_attention.default"]
+
+
+@pytest.mark.parametrize("backend", [CPU, "torch"])
+def test_fullgraph_gradients_match_eager(backend):
+    args = cases.make_inputs(small_case(B=2, T=21, decay="gk", raw_gate=True, beta_sigmoid=True))
+    names = ["q", "k", "v", "g", "gk", "beta", "initial_state", "A_log", "dt_bias"]
+    names = [n for n in names if args.get(n) is not None]
+
+    def loss(args):
+        o, state = deltarule.linear_attention(**args, backend=backend)
+        return (o ** 2).sum() + state.sin().sum()
+
+    def grads(fn):
+        leaves = {n: args[n].clone().requires_grad_(True) for n in names}
+        return torch.autograd.grad(fn({**args, **leaves}), list(leaves.values()))
+
+    fn, graphs = compiled(loss)
+    for name, got, want in zip(names, grads(fn), grads(loss)):
+        assert rel(got, want) < 1e-5, name
+    assert "deltarule.linear_attention.default" in graphs.ops()
+
+
+def test_an_invalid_call_is_refused_when_the_compiled_code_runs_it():
+    """Validation is the op's: the values a call is refused for are checked when it runs."""
+    args = decode_inputs()
+    plan = deltarule.plan_batch(2, 1, state_indices=torch.tensor([4, 1]), num_slots=SLOTS)
+    fn, _ = compiled(gated)
+    slab = args["initial_state"].clone()
+    fn(args["q"], args["k"], args["v"], args["g"], args["beta"], slab, plan, "cpu")
+    before = slab.clone()
+    with pytest.raises(ContractError, match="g"):
+        fn(args["q"], args["k"], args["v"], args["g"].abs() + 0.5, args["beta"], slab, plan, "cpu")
+    assert torch.equal(slab, before), "a refused call modified the slab"
+    with pytest.raises(ContractError, match="scale"):
+        torch.compile(lambda a: deltarule.linear_attention(**a, scale=1e39), fullgraph=True)(
+            {n: args[n] for n in ("q", "k", "v", "g", "beta")})

@@ -1,0 +1,133 @@
+"""The decode fast path (issue 20): a call whose plan (given, or found by its index values)
+already saw its signature runs the launch kept with the plan (`api._call`,
+`cpu_backend.Launch`) instead of validating again. Each test names the backend it checks: the
+fast path is the cpu backend's. What it must keep: every result of the full path, every
+refusal (the values and addresses checked per call: log-decay signs, a slab that an input
+shares), calls from several threads at once, and a new signature validated anew.
+"""
+
+import concurrent.futures
+
+import pytest
+import torch
+
+import deltarule
+from deltarule import ContractError, api, cases
+from deltarule.check import expected
+
+from conftest import CPU, rel, small_case
+
+pytestmark = pytest.mark.parametrize("backend", [CPU])
+
+SLOTS = 6
+
+
+def slab_call(B=2, T=1, **over):
+    """A decode call on a slab of SLOTS rows (rows 4 and 1, ...), and its plan."""
+    args = cases.make_inputs(small_case(B=B, T=T, initial_state=False, **over))
+    args["initial_state"] = torch.randn(SLOTS, args["v"].shape[2], args["q"].shape[3], args["v"].shape[3])
+    rows = torch.tensor([4, 1, 3, 0][:B])
+    plan = deltarule.plan_batch(B, T, state_indices=rows, num_slots=SLOTS)
+    return args, rows, plan
+
+
+def launches(plan) -> int:
+    return sum(hasattr(x, "recurrence") for x in plan._cache.values())
+
+
+def test_kept_launch_gives_the_full_paths_results(backend):
+    args, rows, plan = slab_call()
+    want_o, want_slab = expected({**args, "state_indices": rows})
+    for layer in range(3):                             # the first call validates, the others reuse
+        slab = args["initial_state"].clone()
+        o, state = deltarule.linear_attention(**{**args, "initial_state": slab}, plan=plan, backend=backend)
+        assert state is slab and rel(o, want_o) < 1e-5 and rel(slab, want_slab) < 1e-5
+    assert launches(plan) == 1
+
+
+@pytest.mark.parametrize("over", [
+    dict(decay="gk", update="erase_write"), dict(raw_gate=True, beta_sigmoid=True, qk_l2norm=True),
+    dict(Hq=4, Hk=2, Hv=2), dict(Hq=2, Hk=2, Hv=4, decay="g+gk"),
+], ids=["gdn2", "raw-sigmoid-l2norm", "gqa", "gva"])
+def test_in_kernel_gates_match_the_reference(over, backend):
+    """The kernel takes the raw-gate arm, the gates' sigmoid and qk_l2norm itself."""
+    args, rows, plan = slab_call(**over)
+    want_o, want_slab = expected({**args, "state_indices": rows})
+    for _ in range(2):
+        slab = args["initial_state"].clone()
+        o, _ = deltarule.linear_attention(**{**args, "initial_state": slab}, plan=plan, backend=backend)
+        assert rel(o, want_o) < 1e-5 and rel(slab, want_slab) < 1e-5
+
+
+def test_index_tensors_find_their_plan(backend):
+    """Without plan=, the same index values reuse one plan (and its launch)."""
+    args, rows, _ = slab_call()
+    for _ in range(3):
+        deltarule.linear_attention(**{**args, "initial_state": args["initial_state"].clone()},
+                                   state_indices=rows.clone(), backend=backend)
+    found = [p for p in api._PLANS.values() if p.B == 2 and p.num_slots == SLOTS and p.spans[0].read == 4]
+    assert len(found) == 1 and launches(found[0]) == 1
+
+
+def test_refusals_hold_after_the_signature_is_kept(backend):
+    """What a signature does not fix is checked on every call: a positive log decay, a slab an
+    input shares; the slab keeps every bit."""
+    args, _, plan = slab_call()
+    deltarule.linear_attention(**{**args, "initial_state": args["initial_state"].clone()}, plan=plan)
+    slab = args["initial_state"].clone()
+    before = slab.clone()
+    bad_g = args["g"].clone()
+    bad_g[1, 0, 1] = 0.25
+    with pytest.raises(ContractError, match=r"^g: .*<= 0.*g\[1, 0, 1\] = 0\.25"):
+        deltarule.linear_attention(**{**args, "g": bad_g, "initial_state": slab}, plan=plan, backend=backend)
+    q_in_slab = slab[5].reshape(-1)[:args["q"].numel()].view(args["q"].shape)
+    with pytest.raises(ContractError, match=r"^initial_state: .*no input shares.*q shares"):
+        deltarule.linear_attention(**{**args, "q": q_in_slab, "initial_state": slab}, plan=plan, backend=backend)
+    assert torch.equal(slab, before)
+    assert launches(plan) == 1
+
+
+def test_a_new_signature_is_validated(backend):
+    """Another dtype, shape or scalar is a new signature: validated (here: refused) anew."""
+    args, _, plan = slab_call()
+    deltarule.linear_attention(**{**args, "initial_state": args["initial_state"].clone()}, plan=plan)
+    with pytest.raises(ContractError, match=r"^k, v: "):
+        deltarule.linear_attention(**{**args, "k": args["k"].half(), "initial_state": args["initial_state"]},
+                                   plan=plan, backend=backend)
+    with pytest.raises(ContractError, match=r"^scale: "):
+        deltarule.linear_attention(**args, scale=float("nan"), plan=plan, backend=backend)
+    with pytest.raises(ContractError, match=r"^plan: "):
+        deltarule.linear_attention(**{**args, "q": args["q"][:1], "k": args["k"][:1], "v": args["v"][:1],
+                                      "g": args["g"][:1], "beta": args["beta"][:1]}, plan=plan, backend=backend)
+
+
+def test_inputs_that_need_grad_take_the_full_path(backend):
+    args = cases.make_inputs(small_case(B=2, T=3))
+    plan = deltarule.plan_batch(2, 3)
+    q = args["q"].clone().requires_grad_(True)
+    deltarule.linear_attention(**args, plan=plan, backend=backend)          # a kept launch
+    o, state = deltarule.linear_attention(**{**args, "q": q}, plan=plan, backend=backend)
+    assert o.grad_fn is not None
+    o.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_concurrent_calls_on_one_launch(backend, monkeypatch):
+    """Python threads calling one kept launch at once (the kernel releases the GIL: a call that
+    finds the packed problem in use packs its own copy) all compute the right thing."""
+    from deltarule.backends import cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "ELEMENT_STEPS_PER_THREAD", 1)
+    args = cases.make_inputs(small_case(B=4, T=1, K=32, V=64))
+    plan = deltarule.plan_batch(4, 1)
+    want_o, want_s = expected(args)
+    deltarule.linear_attention(**args, plan=plan, backend=backend)
+
+    def call(_):
+        return deltarule.linear_attention(**args, plan=plan, backend=backend)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(call, range(64)))
+    for o, state in results:
+        assert rel(o, want_o) < 1e-5 and rel(state, want_s) < 1e-5
+    assert launches(plan) == 1
