@@ -436,6 +436,68 @@ def test_contract_errors():
            cu_seqlens=torch.tensor([0, 5, 37]), cu_seqlens_cpu=torch.tensor([0, 6, 37]))
 
 
+def _prefix_states(fn, x, gates, cu, h0, state_v_first):
+    """The state after the first j * 64 tokens of every sequence, j = 0, 1, ... < ceil(len / 64):
+    the drop-in's own final state of each prefix (h0's row for j = 0)."""
+    states = []
+    bounds = cu.tolist() if cu is not None else None
+    for n in range(len(bounds) - 1 if bounds else x["q"].shape[0]):
+        start, end = (bounds[n], bounds[n + 1]) if bounds else (0, x["q"].shape[1])
+        row = slice(0, 1) if bounds else slice(n, n + 1)
+        for j in range(-(-(end - start) // 64)):
+            if j == 0:
+                states.append(h0[n])
+                continue
+            cut = lambda t: t[row, start:start + 64 * j]  # noqa: E731
+            _, state = fn(cut(x["q"]), cut(x["k"]), cut(x["v"]), *(cut(t) for t in gates),
+                          initial_state=h0[n:n + 1], output_final_state=True, state_v_first=state_v_first)
+            states.append(state[0])
+    return torch.stack(states)
+
+
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("name", ["chunk_kda", "chunk_gdn2"])
+def test_intermediate_states_are_the_chunk_starts(name, varlen, state_v_first):
+    """``return_intermediate_states=True`` (fla's prefix-caching output): h [B, NT, HV, K, V] in k's
+    dtype, the state at the start of every 64-token chunk of every sequence (varlen: B = 1, the
+    chunks of all sequences in order; an empty sequence has none, a 1-token one its initial
+    state); o and the final state as without it."""
+    x = inputs(31, B=1 if varlen else 2, T=200 if varlen else 150, H=2, K=16, V=32)
+    cu = torch.tensor([0, 70, 70, 71, 200]) if varlen else None
+    N = 4 if varlen else 2
+    h0 = torch.randn(N, 2, 16, 32, generator=x["gen"])
+    if state_v_first:
+        h0 = h0.transpose(-1, -2).contiguous()
+    gates = (x["gk"], x["beta"]) if name == "chunk_kda" else (x["gk"], x["b"], x["w"])
+    fn = getattr(dfla, name)
+    common = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu, state_v_first=state_v_first)
+    with torch.inference_mode():
+        o, final, h = fn(x["q"], x["k"], x["v"], *gates, return_intermediate_states=True, **common)
+        o_ref, final_ref = fn(x["q"], x["k"], x["v"], *gates, **common)
+        want = _prefix_states(fn, x, gates, cu, h0, state_v_first)
+    NT = 2 + 0 + 1 + 3 if varlen else 3
+    tail = (2, 32, 16) if state_v_first else (2, 16, 32)
+    assert h.shape == ((1, NT) if varlen else (2, NT)) + tail and h.dtype == x["k"].dtype
+    assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
+    assert rel(h.reshape(-1, *tail), want) < TOL
+
+
+def test_intermediate_states_follow_flas_rules_and_dtypes():
+    x = inputs(32, B=2, T=130, H=2, K=16, V=16)
+    q, k, v, gk, beta = (x[n].to(torch.bfloat16) for n in ("q", "k", "v", "gk", "beta"))
+    with pytest.raises(deltarule.ContractError, match="inference_mode"):
+        dfla.chunk_kda(q, k, v, gk, beta, return_intermediate_states=True)      # fla asserts the same
+    with torch.inference_mode():
+        with pytest.raises(deltarule.ContractError, match="disable_recompute"):
+            dfla.chunk_kda(q, k, v, gk, beta, return_intermediate_states=True, disable_recompute=True)
+        o, final, h = dfla.chunk_kda(q, k, v, gk, beta, return_intermediate_states=True)
+        o_ref, _ = dfla.chunk_kda(q, k, v, gk, beta)
+    assert final is None and o.dtype == torch.bfloat16 and torch.equal(o, o_ref)
+    assert h.shape == (2, 3, 2, 16, 16) and h.dtype == torch.bfloat16
+    assert not h[:, 0].any() and h[:, 1:].abs().amax() > 0                         # no h0: zeros first
+
+
 @pytest.mark.parametrize("name, chunk_size, match", [
     # the regexes of fla's own tests (tests/ops/test_kda.py, test_gdn2.py: test_chunk_invalid_chunk_size),
     # which run against these drop-ins; fla's test_gdn.py has none, its message is fla's raise

@@ -165,3 +165,29 @@ def test_16_bit_speculative_rows_round_like_torch(backend):
     o16, s16 = deltarule.linear_attention(**dict(args, initial_state=wide.to(torch.bfloat16)), backend=backend)
     o32, s32 = deltarule.linear_attention(**dict(args, initial_state=wide.clone()), backend=backend)
     assert torch.equal(o16, o32) and torch.equal(s16, s32.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_few_token_rows_in_a_long_sequence(backend, layout):
+    """Per-token rows stored by a few tokens of long sequences (fla's chunk-start states; the cpu
+    kernel keeps its tiles there, where most tokens storing take whole rows): each stored state
+    (the read row, stored again by token 0, included) and every output equal the reference's
+    (`check.expected`), other rows untouched."""
+    from deltarule.check import expected
+
+    T, L = 70, 70
+    rows = torch.full((2, L), -1, dtype=torch.int64)
+    rows[0, 0], rows[0, 31], rows[0, 63], rows[0, 69] = 5, 1, 2, 6     # token 0 rewrites its read row
+    rows[1, 0], rows[1, 47], rows[1, 59] = 7, 9, 8
+    args = cases.make_inputs({**CASE, "B": 2, "T": T, "initial_state": False})
+    K, V = CASE["K"], CASE["V"]
+    args.update(initial_state=torch.randn(12, CASE["Hv"], *((V, K) if layout == "vk" else (K, V))),
+                state_layout=layout, state_indices=rows, num_accepted_tokens=torch.tensor([1, 1]),
+                seq_lens=torch.tensor([70, 60]))
+    want_o, want_slab = expected(args)
+    slab = args["initial_state"]
+    before = slab.clone()
+    o, _ = deltarule.linear_attention(**args, backend=backend)
+    assert rel(o, torch.as_tensor(want_o)) < 1e-5 and rel(slab, torch.as_tensor(want_slab)) < 1e-5
+    assert_rows_rewritten(slab, before, {5, 1, 2, 6, 7, 9, 8})

@@ -26,11 +26,14 @@ computes is reproduced, including its defaults:
   None: ``lower_bound * sigmoid(g + dt_bias)``). Without ``use_gate_in_kernel``
   fla ignores ``A_log`` / ``dt_bias`` / ``lower_bound``, and so does this module.
 
+``return_intermediate_states=True`` (``chunk_kda``, ``chunk_gdn2``; inside
+``torch.inference_mode()``, as fla requires) also returns ``h``, the state at
+the start of every chunk, as fla does.
+
 Arguments deltarule cannot honour raise `deltarule.ContractError` (a
 `ValueError`, as fla's own argument errors are) with the reason: ``gv``,
-per-value ``beta`` ``[B, T, HV, V]``, ``cp_context``,
-``return_intermediate_states=True``, ``head_first``, and any keyword fla does
-not read. Pure scheduling hints (``chunk_indices``, ``cu_seqlens_cpu``,
+per-value ``beta`` ``[B, T, HV, V]``, ``cp_context``, ``head_first``, and any
+keyword fla does not read. Pure scheduling hints (``chunk_indices``, ``cu_seqlens_cpu``,
 ``disable_recompute``, ``safe_gate``, ``use_graph``) are accepted: they do not
 change fla's result. See docs/contracts-fla.md for the full table.
 """
@@ -82,14 +85,23 @@ def _kwargs(fn: str, kwargs: dict, state_v_first: bool, known: tuple[str, ...] =
     return kwargs, bool(state_v_first)
 
 
-def _refuse_unsupported(*, cp_context=None, return_intermediate_states=False):
+def _refuse_unsupported(*, cp_context=None):
     if cp_context is not None:
         raise ContractError("cp_context", "None: context parallelism across devices is not supported",
                             type(cp_context).__name__)
-    if return_intermediate_states:
-        raise ContractError(
-            "return_intermediate_states",
-            "False: per-chunk intermediate states [B, NT, HV, K, V] are not produced", True)
+
+
+def _check_intermediate_states(return_intermediate_states, disable_recompute) -> bool:
+    """fla's two rules for ``return_intermediate_states=True`` (asserts in fla, ContractError here)."""
+    if not return_intermediate_states:
+        return False
+    if not torch.is_inference_mode_enabled():
+        raise ContractError("return_intermediate_states",
+                            "True only inside torch.inference_mode() (fla's rule: the states bypass autograd)",
+                            "autograd enabled")
+    if disable_recompute:
+        raise ContractError("disable_recompute", "False with return_intermediate_states=True (fla's rule)", True)
+    return True
 
 
 # fla-core 0.6.0's ValueError messages for a chunk_size its chunk kernel does not take, word for
@@ -219,9 +231,15 @@ def _check_safe_gate(safe_gate, use_gate_in_kernel, lower_bound):
 
 
 def _run(q, k, v, *, out_dtype_of, scale, initial_state, output_final_state, state_v_first,
-         cu_seqlens, qk_l2norm, chunk_size=64, **gates):
-    """Call linear_attention with fla's conventions; return fla's (o, final_state or None)."""
+         cu_seqlens, qk_l2norm, chunk_size=64, chunk_states=False, **gates):
+    """Call linear_attention with fla's conventions; return fla's (o, final_state or None), and
+    with `chunk_states` (``return_intermediate_states``) the states at the chunk starts as well
+    (`_with_chunk_states`)."""
     _check_heads(q, k)
+    if chunk_states:
+        return _with_chunk_states(q, k, v, out_dtype_of=out_dtype_of, scale=scale, initial_state=initial_state,
+                                  output_final_state=output_final_state, state_v_first=state_v_first,
+                                  cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, chunk_size=chunk_size, **gates)
     if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
         out_dtype = (q if out_dtype_of == "q" else v).dtype
         if not (q.dtype == k.dtype == v.dtype):
@@ -248,6 +266,74 @@ def _run(q, k, v, *, out_dtype_of, scale, initial_state, output_final_state, sta
             and state.untyped_storage().data_ptr() == initial_state.untyped_storage().data_ptr():
         state = state.clone()
     return o, state
+
+
+def _with_chunk_states(q, k, v, *, out_dtype_of, scale, initial_state, output_final_state, state_v_first,
+                       cu_seqlens, qk_l2norm, chunk_size, **gates):
+    """fla's ``return_intermediate_states=True``: (o, final_state or None, h), h the state at the
+    start of every chunk of ``chunk_size`` tokens of every sequence, in k's dtype: ``[B, NT, HV,
+    K, V]`` (``[..., V, K]`` with ``state_v_first``), NT = ceil(T / chunk_size); with
+    ``cu_seqlens``, B = 1 and NT the chunks of all sequences, in order (an empty sequence has
+    none). h[:, first chunk of a sequence] is its initial state.
+
+    One call of deltarule's operator computes them: a float32 slab holds the chunk starts, the
+    sequences' final states and their initial states, and speculative-style token rows
+    (2-D ``state_indices``) store the state after each chunk's last token into the next chunk's
+    row; every other token stores nothing."""
+    if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
+        return _run(q, k, v, out_dtype_of=out_dtype_of, scale=scale, initial_state=initial_state,
+                    output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+                    qk_l2norm=qk_l2norm, chunk_size=chunk_size, **gates)   # the full path says what is wrong
+    from ..batch import build
+
+    B, T = q.shape[:2]
+    HV, K, V = v.shape[2], k.shape[3], v.shape[3]
+    out_dtype = (q if out_dtype_of == "q" else v).dtype
+    spans = build(B, T, q.device, cu_seqlens=cu_seqlens, seq_lens=None, state_indices=None,
+                  num_accepted_tokens=None, num_slots=None).spans
+    N = len(spans)
+    lengths = [span.end - span.start for span in spans]
+    chunks = [-(-n // chunk_size) for n in lengths]
+    NT = sum(chunks)
+    # slab rows: [0, NT) the chunk starts, [NT, NT + N) the final states, [NT + N, NT + 2N) the
+    # rows the sequences read (their initial states)
+    # (rows the kernel does not store: the first chunk starts, the reads, the finals of empty sequences)
+    slab = torch.empty(NT + 2 * N, HV, K, V, dtype=torch.float32, device=q.device)
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor) or initial_state.shape != (
+                (N, HV, V, K) if state_v_first else (N, HV, K, V)):
+            raise ContractError("initial_state", f"[N={N}, HV={HV}, " + ("V, K]" if state_v_first else "K, V]"),
+                                getattr(initial_state, "shape", type(initial_state).__name__))
+        h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
+        slab[NT:NT + N] = h0
+        slab[NT + N:] = h0
+    else:
+        slab[NT:].zero_()
+    rows = torch.full((N, max(1, max(lengths, default=0))), -1, dtype=torch.int64)
+    first = 0                                        # sequence n's first chunk row
+    for n, (length, count) in enumerate(zip(lengths, chunks)):
+        if length == 0:
+            continue                                 # padding: nothing read or written
+        rows[n, 0] = NT + N + n                      # its read row (token 0's state lands there too)
+        for j in range(1, count):
+            rows[n, j * chunk_size - 1] = first + j  # after chunk j - 1: chunk j's start
+        rows[n, length - 1] = NT + n                 # its final state (the read row if length 1)
+        slab[first] = slab[NT + n]
+        first += count
+    dtype_of_h = k.dtype
+    if not (q.dtype == k.dtype == v.dtype):
+        q, k, v = (x.to(torch.float32) for x in (q, k, v))  # as `_run`: fla reads them in float32
+    o, _ = _call(q, k, v, scale=scale, initial_state=slab, cu_seqlens=cu_seqlens, state_indices=rows.to(q.device),
+                 num_accepted_tokens=torch.ones(N, dtype=torch.int64, device=q.device),
+                 qk_l2norm=bool(qk_l2norm), l2norm_eps=FLA_L2NORM_EPS, chunk_size=chunk_size, **gates,
+                 accept_growth=True)
+    o = o.to(out_dtype)
+    h = slab[:NT]
+    final = slab[NT:NT + N]
+    if state_v_first:
+        h, final = h.transpose(-1, -2), final.transpose(-1, -2)
+    h = h.to(dtype_of_h).reshape(1 if cu_seqlens is not None else B, -1, *h.shape[1:]).contiguous()
+    return o, (final.contiguous() if output_final_state else None), h
 
 
 # ---------------------------------------------------------------------------
@@ -391,11 +477,15 @@ def chunk_kda(
     ``use_gate_in_kernel=True``, keywords ``A_log`` ``[HV]`` and optional
     ``dt_bias`` ``[HV * K]``), beta ``[B, T, HV]``. Keyword ``chunk_size`` in
     (32, 64). ``safe_gate``, ``disable_recompute``, ``use_graph`` are
-    scheduling hints; ``return_intermediate_states`` and ``cp_context`` raise
-    ContractError. Returns ``(o in q's dtype, final_state float32 or None)``.
+    scheduling hints; ``cp_context`` raises ContractError. Returns ``(o in q's
+    dtype, final_state float32 or None)``, and with
+    ``return_intermediate_states=True`` (in ``torch.inference_mode()``) also
+    ``h`` ``[B, NT, HV, K, V]`` in k's dtype, the state at each chunk's start
+    (`_with_chunk_states`).
     """
     kwargs, state_v_first = _kwargs("chunk_kda", kwargs, state_v_first, ("A_log", "dt_bias", "chunk_size"))
-    _refuse_unsupported(cp_context=cp_context, return_intermediate_states=return_intermediate_states)
+    _refuse_unsupported(cp_context=cp_context)
+    chunk_states = _check_intermediate_states(return_intermediate_states, disable_recompute)
     chunk_size = _check_chunk_size("chunk_kda", kwargs.get("chunk_size", 64), (32, 64))
     _check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)
     _check_graph(use_graph, max_num_seqs, cu_seqlens)
@@ -407,7 +497,7 @@ def chunk_kda(
     return _run(q, k, v, out_dtype_of="q", scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, state_v_first=state_v_first,
                 cu_seqlens=cu_seqlens, qk_l2norm=use_qk_l2norm_in_kernel, chunk_size=chunk_size,
-                rule="gated_delta", beta=beta, beta_sigmoid=beta_sigmoid, **gates)
+                chunk_states=chunk_states, rule="gated_delta", beta=beta, beta_sigmoid=beta_sigmoid, **gates)
 
 
 def fused_recurrent_kda(
@@ -482,10 +572,12 @@ def chunk_gdn2(
     write gate. Keyword ``chunk_size`` must be 64. fla's chunk kernel needs
     HV == H; GVA (HV a multiple of H) is accepted here with
     `fused_recurrent_gdn2`'s meaning. Returns ``(o in q's dtype, final_state
-    float32 or None)``.
+    float32 or None)``, and ``h`` with ``return_intermediate_states=True`` (as
+    `chunk_kda`).
     """
     kwargs, state_v_first = _kwargs("chunk_gdn2", kwargs, state_v_first, ("A_log", "dt_bias", "chunk_size"))
-    _refuse_unsupported(cp_context=cp_context, return_intermediate_states=return_intermediate_states)
+    _refuse_unsupported(cp_context=cp_context)
+    chunk_states = _check_intermediate_states(return_intermediate_states, disable_recompute)
     chunk_size = _check_chunk_size("chunk_gdn2", kwargs.get("chunk_size", 64), (64,))
     _check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)
     _check_safe_gate(safe_gate, use_gate_in_kernel, lower_bound)
@@ -494,7 +586,7 @@ def chunk_gdn2(
     return _run(q, k, v, out_dtype_of="q", scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, state_v_first=state_v_first,
                 cu_seqlens=cu_seqlens, qk_l2norm=use_qk_l2norm_in_kernel, chunk_size=chunk_size,
-                rule="gated_delta", erase=b, write=w, **gates)
+                chunk_states=chunk_states, rule="gated_delta", erase=b, write=w, **gates)
 
 
 def fused_recurrent_gdn2(
