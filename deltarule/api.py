@@ -428,9 +428,8 @@ def validate(
     if not accept_growth and A_log is None:
         _check_log_decay(g=g, gk=gk)
 
-    requires_grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad
-        for x in differentiable_inputs(q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state))
+    requires_grad = torch.is_grad_enabled() and _needs_grad(
+        *differentiable_inputs(q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state))
     if requires_grad:
         _check_differentiable(plan)
 

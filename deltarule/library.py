@@ -37,8 +37,8 @@ def _run(q, k, v, g, gk, beta, erase, write, initial_state, cu_seqlens, seq_lens
     return api.call(q, k, v, rule=rule, g=g, gk=gk, beta=beta, erase=erase, write=write, scale=scale,
                     initial_state=initial_state, state_layout=state_layout, cu_seqlens=cu_seqlens,
                     seq_lens=seq_lens, state_indices=state_indices, num_accepted_tokens=num_accepted_tokens,
-                    plan=None if plan_handle is None else plan_of_handle(plan_handle), qk_l2norm=qk_l2norm, l2norm_eps=l2norm_eps, A_log=A_log,
-                    dt_bias=dt_bias, beta_sigmoid=beta_sigmoid, chunk_size=chunk_size, backend=backend,
+                    plan=None if plan_handle is None else plan_of_handle(plan_handle), qk_l2norm=qk_l2norm,
+                    l2norm_eps=l2norm_eps, A_log=A_log, dt_bias=dt_bias, beta_sigmoid=beta_sigmoid, chunk_size=chunk_size, backend=backend,
                     accept_growth=accept_growth)
 
 

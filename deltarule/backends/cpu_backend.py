@@ -154,22 +154,20 @@ class Launch:
         self.threads = max(1, min(torch.get_num_threads(), steps // ELEMENT_STEPS_PER_THREAD))
         inputs = (p.q, p.k, p.v, p.g, p.gk, p.beta, p.erase, p.write, p.A_log, p.dt_bias)
         self.copy = not all(x is None or x.is_contiguous() for x in inputs)
-        # per-call aliasing check of a slab: its byte extent, and the inputs' in the kernel's order
-        # (q, k, v, g, gk, b, w, A_log, dt_bias; contiguous ones: their pointers and sizes)
-        # the kernel checks a slab's bytes against the inputs' (contiguous: numel * size) per call
-        b, w = (p.beta, p.beta) if p.beta is not None else (p.erase, p.write)
-        self.operand_names = ("q", "k", "v", "g", "gk", "beta" if p.beta is not None else "erase",
-                              "beta" if p.beta is not None else "write", "A_log", "dt_bias")
+        q, k, v, g, gk, beta, erase, write, a_log, dt_bias = (_contiguous(x) for x in inputs)
+        b, w = (beta, beta) if beta is not None else (erase, write)
+        self.operand_names = ("q", "k", "v", "g", "gk", "beta" if beta is not None else "erase",
+                              "beta" if beta is not None else "write", "A_log", "dt_bias")
+        # per call, the kernel checks a slab's bytes against the inputs' (in its order; contiguous:
+        # numel * size each)
         self.check_slab = per_call_checks and p.in_place
         slab_bytes, operand_bytes = 0, (0,) * 9
         if self.check_slab:
             slab_bytes = aliasing.byte_range(p.initial_state)[1] - p.initial_state.data_ptr()
             operand_bytes = tuple(0 if x is None else x.numel() * x.element_size()
-                                  for x in (p.q, p.k, p.v, p.g, p.gk, b, w, p.A_log, p.dt_bias))
+                                  for x in (q, k, v, g, gk, b, w, a_log, dt_bias))
         # a slab row is read back by the next step: only a fresh state that outgrows the cache streams
         state_bytes = 2 * p.N * p.Hv * p.K * p.V * p.state_dtype.itemsize
-        q, k, v, g, gk, beta, erase, write, a_log, dt_bias = (_contiguous(x) for x in inputs)
-        b, w = (beta, beta) if beta is not None else (erase, write)
         q = q.view(p.B, p.T, p.Hq // p.G, p.G, p.K)
         S0 = p.initial_state
         if S0 is not None and p.state_layout == "vk":
@@ -215,8 +213,7 @@ class Launch:
         kernel's result code: the outputs allocated once, no Python between calls but the
         packing of the operands' addresses. `deltarule bench` times it for the call's overhead
         (a call's time minus this)."""
-        o = _empty(self.o_shape, self.o_dtype, zero=self.zero_o)
-        S = initial_state if self.in_place else _empty(self.state_shape, self.state_dtype)
+        S, o = self._outputs(initial_state)
         pointers = _pointers(q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state, S, o)
 
         def run(_keep=(o, S)):                       # the outputs live as long as the callable
@@ -235,17 +232,9 @@ _INPUT_NAMES = ("q", "k", "v", "g", "gk", "beta", "erase", "write", "A_log", "dt
 
 
 def _pointers(q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state, S, o) -> tuple[int, ...]:
-    """The kernel's 12 operand addresses (`cpu_recurrent.operands`' order; beta stands for both
-    erase and write)."""
-    if beta is not None:
-        b = w = beta.data_ptr()
-    else:
-        b = 0 if erase is None else erase.data_ptr()
-        w = 0 if write is None else write.data_ptr()
-    return (q.data_ptr(), k.data_ptr(), v.data_ptr(), 0 if g is None else g.data_ptr(),
-            0 if gk is None else gk.data_ptr(), b, w, 0 if A_log is None else A_log.data_ptr(),
-            0 if dt_bias is None else dt_bias.data_ptr(),
-            0 if initial_state is None else initial_state.data_ptr(), S.data_ptr(), o.data_ptr())
+    """The kernel's operand addresses (`cpu_recurrent.operands`; beta stands for both erase and write)."""
+    b, w = (beta, beta) if beta is not None else (erase, write)
+    return cpu_recurrent.operands(q, k, v, g, gk, b, w, A_log, dt_bias, initial_state, S, o)
 
 
 def _contiguous(x: torch.Tensor | None) -> torch.Tensor | None:

@@ -40,6 +40,7 @@ change fla's result. See docs/contracts-fla.md for the full table.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -233,62 +234,55 @@ def _check_safe_gate(safe_gate, use_gate_in_kernel, lower_bound):
 def _run(q, k, v, *, out_dtype_of, scale, initial_state, output_final_state, state_v_first,
          cu_seqlens, qk_l2norm, chunk_size=64, chunk_states=False, **gates):
     """Call linear_attention with fla's conventions; return fla's (o, final_state or None), and
-    with `chunk_states` (``return_intermediate_states``) the states at the chunk starts as well
-    (`_with_chunk_states`)."""
+    with `chunk_states` (``return_intermediate_states``) the states at the chunk starts as well,
+    h in k's dtype (`_with_chunk_states`)."""
     _check_heads(q, k)
-    if chunk_states:
-        return _with_chunk_states(q, k, v, out_dtype_of=out_dtype_of, scale=scale, initial_state=initial_state,
-                                  output_final_state=output_final_state, state_v_first=state_v_first,
-                                  cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, chunk_size=chunk_size, **gates)
+    out_dtype = h_dtype = None
     if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
-        out_dtype = (q if out_dtype_of == "q" else v).dtype
+        out_dtype, h_dtype = (q if out_dtype_of == "q" else v).dtype, k.dtype
         if not (q.dtype == k.dtype == v.dtype):
             # fla's kernels read every input in float32: upcasting is exact.
             q, k, v = (x.to(torch.float32) for x in (q, k, v))
-    else:
-        out_dtype = None
     if isinstance(initial_state, torch.Tensor) and initial_state.is_floating_point() \
             and initial_state.dtype != torch.float32:
         initial_state = initial_state.to(torch.float32)   # fla's kernels read h0 in float32
-    o, state = _call(
-        q, k, v, scale=scale, initial_state=initial_state,
-        state_layout="vk" if state_v_first else "kv", cu_seqlens=cu_seqlens,
-        qk_l2norm=bool(qk_l2norm), l2norm_eps=FLA_L2NORM_EPS, chunk_size=chunk_size, **gates,
-        accept_growth=True,  # fla takes any log decay; linear_attention refuses > 0
-    )
+    call = functools.partial(_call, scale=scale, qk_l2norm=bool(qk_l2norm), l2norm_eps=FLA_L2NORM_EPS,
+                             chunk_size=chunk_size, **gates,
+                             accept_growth=True)  # fla takes any log decay; linear_attention refuses > 0
+    h = None
+    if chunk_states and h_dtype is not None:
+        o, state, h = _with_chunk_states(call, q, k, v, initial_state=initial_state, state_v_first=state_v_first,
+                                         cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    else:
+        o, state = call(q, k, v, initial_state=initial_state, state_layout="vk" if state_v_first else "kv",
+                        cu_seqlens=cu_seqlens)
+        # fla returns a fresh tensor, never h0 itself (traced by torch.compile, deltarule's op
+        # already returns a fresh one: deltarule.library)
+        if output_final_state and initial_state is not None and not torch.compiler.is_compiling() \
+                and state.untyped_storage().data_ptr() == initial_state.untyped_storage().data_ptr():
+            state = state.clone()
     if out_dtype is not None and o.dtype != out_dtype:
         o = o.to(out_dtype)
-    if not output_final_state:
-        return o, None
-    # fla returns a fresh tensor, never h0 itself (traced by torch.compile, deltarule's op already
-    # returns a fresh one: deltarule.library)
-    if initial_state is not None and not torch.compiler.is_compiling() \
-            and state.untyped_storage().data_ptr() == initial_state.untyped_storage().data_ptr():
-        state = state.clone()
-    return o, state
+    state = state if output_final_state else None
+    return (o, state, h.to(h_dtype).contiguous()) if chunk_states else (o, state)
 
 
-def _with_chunk_states(q, k, v, *, out_dtype_of, scale, initial_state, output_final_state, state_v_first,
-                       cu_seqlens, qk_l2norm, chunk_size, **gates):
-    """fla's ``return_intermediate_states=True``: (o, final_state or None, h), h the state at the
-    start of every chunk of ``chunk_size`` tokens of every sequence, in k's dtype: ``[B, NT, HV,
-    K, V]`` (``[..., V, K]`` with ``state_v_first``), NT = ceil(T / chunk_size); with
-    ``cu_seqlens``, B = 1 and NT the chunks of all sequences, in order (an empty sequence has
-    none). h[:, first chunk of a sequence] is its initial state.
+def _with_chunk_states(call, q, k, v, *, initial_state, state_v_first, cu_seqlens, chunk_size):
+    """fla's ``return_intermediate_states=True`` through `call` (`_call` with the call's other
+    arguments): (o, final_state, h), h float32 ``[B, NT, HV, K, V]`` (``[..., V, K]`` with
+    ``state_v_first``), the state at the start of every chunk of ``chunk_size`` tokens of every
+    sequence, NT = ceil(T / chunk_size); with ``cu_seqlens``, B = 1 and NT the chunks of all
+    sequences, in order (an empty sequence has none). h[:, first chunk of a sequence] is its
+    initial state.
 
     One call of deltarule's operator computes them: a float32 slab holds the chunk starts, the
     sequences' final states and their initial states, and speculative-style token rows
     (2-D ``state_indices``) store the state after each chunk's last token into the next chunk's
     row; every other token stores nothing."""
-    if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
-        return _run(q, k, v, out_dtype_of=out_dtype_of, scale=scale, initial_state=initial_state,
-                    output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-                    qk_l2norm=qk_l2norm, chunk_size=chunk_size, **gates)   # the full path says what is wrong
     from ..batch import build
 
     B, T = q.shape[:2]
     HV, K, V = v.shape[2], k.shape[3], v.shape[3]
-    out_dtype = (q if out_dtype_of == "q" else v).dtype
     spans = build(B, T, q.device, cu_seqlens=cu_seqlens, seq_lens=None, state_indices=None,
                   num_accepted_tokens=None, num_slots=None).spans
     N = len(spans)
@@ -296,13 +290,16 @@ def _with_chunk_states(q, k, v, *, out_dtype_of, scale, initial_state, output_fi
     chunks = [-(-n // chunk_size) for n in lengths]
     NT = sum(chunks)
     # slab rows: [0, NT) the chunk starts, [NT, NT + N) the final states, [NT + N, NT + 2N) the
-    # rows the sequences read (their initial states)
-    # (rows the kernel does not store: the first chunk starts, the reads, the finals of empty sequences)
+    # rows the sequences read (their initial states); h0 is copied in before the operator sees it,
+    # so it is checked here (rows the kernel does not store: the first chunk starts, the reads,
+    # the finals of empty sequences)
     slab = torch.empty(NT + 2 * N, HV, K, V, dtype=torch.float32, device=q.device)
     if initial_state is not None:
-        if not isinstance(initial_state, torch.Tensor) or initial_state.shape != (
-                (N, HV, V, K) if state_v_first else (N, HV, K, V)):
-            raise ContractError("initial_state", f"[N={N}, HV={HV}, " + ("V, K]" if state_v_first else "K, V]"),
+        shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+        if not isinstance(initial_state, torch.Tensor) or not initial_state.is_floating_point() \
+                or initial_state.shape != shape:
+            raise ContractError("initial_state",
+                                f"a float [N={N}, HV={HV}, " + ("V, K]" if state_v_first else "K, V]"),
                                 getattr(initial_state, "shape", type(initial_state).__name__))
         h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
         slab[NT:NT + N] = h0
@@ -320,20 +317,13 @@ def _with_chunk_states(q, k, v, *, out_dtype_of, scale, initial_state, output_fi
         rows[n, length - 1] = NT + n                 # its final state (the read row if length 1)
         slab[first] = slab[NT + n]
         first += count
-    dtype_of_h = k.dtype
-    if not (q.dtype == k.dtype == v.dtype):
-        q, k, v = (x.to(torch.float32) for x in (q, k, v))  # as `_run`: fla reads them in float32
-    o, _ = _call(q, k, v, scale=scale, initial_state=slab, cu_seqlens=cu_seqlens, state_indices=rows.to(q.device),
-                 num_accepted_tokens=torch.ones(N, dtype=torch.int64, device=q.device),
-                 qk_l2norm=bool(qk_l2norm), l2norm_eps=FLA_L2NORM_EPS, chunk_size=chunk_size, **gates,
-                 accept_growth=True)
-    o = o.to(out_dtype)
-    h = slab[:NT]
-    final = slab[NT:NT + N]
+    o, _ = call(q, k, v, initial_state=slab, cu_seqlens=cu_seqlens, state_indices=rows.to(q.device),
+                num_accepted_tokens=torch.ones(N, dtype=torch.int64, device=q.device))
+    h, final = slab[:NT], slab[NT:NT + N]
     if state_v_first:
         h, final = h.transpose(-1, -2), final.transpose(-1, -2)
-    h = h.to(dtype_of_h).reshape(1 if cu_seqlens is not None else B, -1, *h.shape[1:]).contiguous()
-    return o, (final.contiguous() if output_final_state else None), h
+    h = h.reshape(1 if cu_seqlens is not None else B, -1, *h.shape[1:])
+    return o, final.contiguous(), h
 
 
 # ---------------------------------------------------------------------------

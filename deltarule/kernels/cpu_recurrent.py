@@ -9,7 +9,7 @@ the log decays, which the kernel scans before any work).
 
 `Recurrence` packs the kernel's `problem` struct once: sizes, dtypes, strides,
 flags and the plan's tables; a run packs only the operands' addresses into it
-(one `pack_into` of 13 pointers) and calls the kernel with the buffer's address.
+(one `pack_into` of 12 pointers) and calls the kernel with the buffer's address.
 A decode step's layers each run the same `Recurrence` (`backends.cpu_backend`
 keeps them with the plan), so their Python cost is a few microseconds.
 """
@@ -171,7 +171,8 @@ class Recurrence:
             self._busy.release()
 
     def run_packed(self, threads: int) -> int:
-        """`run` on the operands the constructor took (the caller keeps them alive; one thread)."""
+        """`run` on the operands the constructor took (the caller keeps them alive); not
+        thread-safe (one caller: a differentiable forward's own `Recurrence`)."""
         return self._result(_LIB.deltarule_recurrent(self._address, threads))
 
     def _run_private(self, pointers, threads: int) -> int:
@@ -192,9 +193,13 @@ class Recurrence:
 
 
 def operands(q, k, v, g, gk, b, w, a_log, dt_bias, S0, S, o) -> tuple[int, ...]:
-    """The operands' addresses, in `Recurrence.run`'s order (0 for an absent one)."""
-    return (q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(g), _ptr(gk), _ptr(b), _ptr(w), _ptr(a_log),
-            _ptr(dt_bias), _ptr(S0), S.data_ptr(), o.data_ptr())
+    """The operands' addresses, in `Recurrence.run`'s order (0 for an absent one). Written out
+    (no `_ptr` calls): a decode step's every layer packs them."""
+    return (q.data_ptr(), k.data_ptr(), v.data_ptr(), 0 if g is None else g.data_ptr(),
+            0 if gk is None else gk.data_ptr(), 0 if b is None else b.data_ptr(),
+            0 if w is None else w.data_ptr(), 0 if a_log is None else a_log.data_ptr(),
+            0 if dt_bias is None else dt_bias.data_ptr(), 0 if S0 is None else S0.data_ptr(),
+            S.data_ptr(), o.data_ptr())
 
 
 def backward(q, k, v, u, g, gk, b, w, ck, ds, do, spans, dq, dk, dv, dlam, db, dw, ds0, scale: float,

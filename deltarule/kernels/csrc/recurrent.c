@@ -122,6 +122,15 @@ INLINE void stream(void *dst, const void *src, int bytes)
 #endif
 }
 
+/* `bytes` from src to dst: streamed past the caches where nt, else plainly */
+INLINE void store_bytes(void *dst, const void *src, int bytes, int nt)
+{
+    if (nt)
+        stream(dst, src, bytes);
+    else
+        memcpy(dst, src, bytes);
+}
+
 /* A NaN stored as bfloat16: torch's (c10::BFloat16's) quiet NaN */
 #define BF16_NAN 0x7fc0u
 
@@ -204,10 +213,7 @@ INLINE void put(void *x, int64_t off, vf y, int type, int nt)
 {
     if (type == F32) {
         float *dst = (float *)x + off;
-        if (nt)
-            stream(dst, &y, sizeof y);
-        else
-            memcpy(dst, &y, sizeof y);
+        store_bytes(dst, &y, sizeof y, nt);
         return;
     }
     uint16_t *dst = (uint16_t *)x + off;
@@ -223,10 +229,7 @@ INLINE void put(void *x, int64_t off, vf y, int type, int nt)
         if (!denormal) {
             __m256i z = (__m256i)_mm512_cvtneps_pbh(a);
             z = _mm256_mask_blend_epi16(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), z, _mm256_set1_epi16(BF16_NAN));
-            if (nt)
-                stream(dst, &z, sizeof z);
-            else
-                memcpy(dst, &z, sizeof z);
+            store_bytes(dst, &z, sizeof z, nt);
             return;
         }
     }
@@ -249,10 +252,7 @@ INLINE void put(void *x, int64_t off, vf y, int type, int nt)
             put1(&h, l, y[l], F16);
 #endif
     }
-    if (nt)
-        stream(dst, &h, sizeof h);
-    else
-        memcpy(dst, &h, sizeof h);
+    store_bytes(dst, &h, sizeof h, nt);
 }
 
 INLINE void widen_as(float *dst, const void *x, int64_t off, int64_t n, int type)
@@ -737,10 +737,7 @@ INLINE void put_row(char *dst, int64_t off, const vf x[NV], int type, int nt)
             const __m256i h = _mm256_permute4x64_epi64(
                 _mm256_packus_epi32((__m256i)bf16_bits(x[l]), (__m256i)bf16_bits(x[l + 1])), 0xd8);
             uint16_t *d = (uint16_t *)dst + off + l * VEC;
-            if (nt)
-                stream(d, &h, sizeof h);
-            else
-                memcpy(d, &h, sizeof h);
+            store_bytes(d, &h, sizeof h, nt);
         }
         return;
     }
