@@ -20,6 +20,21 @@ path itself (`api.call`), validation included: an invalid call raises `ContractE
 the compiled code runs it. The fake implementations give the outputs' shapes and dtypes from
 the inputs' alone (``num_states``: the rows of a fresh state, from the plan, ``cu_seqlens`` or
 B, fixed when the call is traced).
+
+Example (a decode step on slab rows, compiled whole; any Dynamo backend, "eager" keeps it quick)::
+
+    >>> import torch, deltarule
+    >>> slab = torch.zeros(8, 2, 16, 16)
+    >>> plan = deltarule.plan_batch(2, 1, state_indices=torch.tensor([5, 1]), num_slots=8)
+    >>> def step(q, k, v, g, beta, slab, plan):
+    ...     o, _ = deltarule.linear_attention(q, k, v, g=g, beta=beta, initial_state=slab, plan=plan)
+    ...     return o
+    >>> step = torch.compile(step, fullgraph=True, backend="eager")
+    >>> q, k, v = (torch.randn(2, 1, 2, 16) for _ in range(3))
+    >>> o = step(q, k, v, -torch.rand(2, 1, 2), torch.rand(2, 1, 2), slab, plan)
+    >>> tuple(o.shape), bool(slab[5].ne(0).any()), bool(slab[0].eq(0).all())
+    ((2, 1, 2, 16), True, True)
+    >>> torch._dynamo.reset()                          # (drops the compiled code and its guards)
 """
 
 from __future__ import annotations

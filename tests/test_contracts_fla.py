@@ -491,6 +491,9 @@ def test_intermediate_states_follow_flas_rules_and_dtypes():
     with torch.inference_mode():
         with pytest.raises(deltarule.ContractError, match="disable_recompute"):
             dfla.chunk_kda(q, k, v, gk, beta, return_intermediate_states=True, disable_recompute=True)
+        with pytest.raises(deltarule.ContractError, match="initial_state"):     # copied in first: checked
+            dfla.chunk_kda(q, k, v, gk, beta, return_intermediate_states=True,
+                           initial_state=torch.zeros(2, 2, 16, 16, dtype=torch.int32))
         o, final, h = dfla.chunk_kda(q, k, v, gk, beta, return_intermediate_states=True)
         o_ref, _ = dfla.chunk_kda(q, k, v, gk, beta)
     assert final is None and o.dtype == torch.bfloat16 and torch.equal(o, o_ref)

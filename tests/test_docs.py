@@ -9,16 +9,19 @@ import pytest
 import deltarule.api
 import deltarule.batch
 import deltarule.contracts.ascend
+import deltarule.contracts.fla
 import deltarule.contracts.slab
 import deltarule.distributed
 import deltarule.integrations.transformers
+import deltarule.library
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
 
 @pytest.mark.parametrize("module", [deltarule.api, deltarule.batch, deltarule.contracts.ascend,
-                                    deltarule.contracts.slab, deltarule.distributed, deltarule.integrations.transformers],
+                                    deltarule.contracts.fla, deltarule.contracts.slab, deltarule.distributed,
+                                    deltarule.integrations.transformers, deltarule.library],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)

@@ -472,6 +472,18 @@ def chunk_kda(
     ``return_intermediate_states=True`` (in ``torch.inference_mode()``) also
     ``h`` ``[B, NT, HV, K, V]`` in k's dtype, the state at each chunk's start
     (`_with_chunk_states`).
+
+    Example (the states at the starts of a 150-token sequence's three 64-token chunks)::
+
+        >>> import torch
+        >>> from deltarule.contracts.fla import chunk_kda
+        >>> q, k, v = (torch.randn(1, 150, 2, 16) for _ in range(3))
+        >>> g, beta = -torch.rand(1, 150, 2, 16), torch.rand(1, 150, 2)
+        >>> with torch.inference_mode():
+        ...     o, final, h = chunk_kda(q, k, v, g, beta, output_final_state=True,
+        ...                             use_qk_l2norm_in_kernel=True, return_intermediate_states=True)
+        >>> tuple(h.shape), bool(h[:, 0].eq(0).all())     # no initial state: the first start is zeros
+        ((1, 3, 2, 16, 16), True)
     """
     kwargs, state_v_first = _kwargs("chunk_kda", kwargs, state_v_first, ("A_log", "dt_bias", "chunk_size"))
     _refuse_unsupported(cp_context=cp_context)
