@@ -115,8 +115,9 @@ def linear_attention(
             makes the sequence padding, other negative entries are never
             written; the rows live sequences write are distinct. Every read
             happens before any write, so a row may be read and rewritten.
-        num_accepted_tokens: [N] int in [1, L], at most the sequence's length;
-            only with 2-D `state_indices`.
+        num_accepted_tokens: [N] int in [1, L] (may exceed the sequence's
+            length: vLLM's request without drafts after accepted ones); only
+            with 2-D `state_indices`.
         plan: a `deltarule.BatchPlan` from `deltarule.plan_batch`, instead
             of cu_seqlens / seq_lens / state_indices / num_accepted_tokens:
             validated once, reusable by every call of that batch layout

@@ -347,9 +347,6 @@ def _speculative(B, T, device, ranges, rows, L, num_accepted_tokens, num_slots, 
         if e - s > L:
             raise ContractError("state_indices", "[N, L] with L >= every live sequence's length",
                                 f"L = {L}, sequence {n} has {e - s} tokens")
-        if num_accepted_tokens is not None and a > e - s:
-            raise ContractError(f"num_accepted_tokens[{n}]",
-                                f"at most the sequence's length {e - s}", a)
         for t in range(e - s):
             r = idx[t]
             if r >= 0:

