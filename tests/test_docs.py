@@ -11,6 +11,7 @@ import deltarule.batch
 import deltarule.contracts.ascend
 import deltarule.contracts.fla
 import deltarule.contracts.slab
+import deltarule.conv
 import deltarule.distributed
 import deltarule.integrations.transformers
 import deltarule.library
@@ -20,7 +21,7 @@ README = ROOT / "README.md"
 
 
 @pytest.mark.parametrize("module", [deltarule.api, deltarule.batch, deltarule.contracts.ascend,
-                                    deltarule.contracts.fla, deltarule.contracts.slab, deltarule.distributed,
+                                    deltarule.contracts.fla, deltarule.contracts.slab, deltarule.conv, deltarule.distributed,
                                     deltarule.integrations.transformers, deltarule.library],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):

@@ -1,0 +1,125 @@
+"""The vLLM plugin's parts that need no vLLM: `deltarule.conv` (the short convolution with a
+conv-state slab) against its float64 twin, and one GDN core call (`integrations.vllm._run`)
+from a step built out of vLLM-like metadata, checked by the plugin's own shadow mode.
+The engine end to end is tests/test_vllm.py (where vllm imports)."""
+
+import json
+import types
+
+import pytest
+import torch
+
+import deltarule.integrations.vllm as dv
+from deltarule.conv import causal_conv1d_slab, plan_conv, reference_conv1d_slab
+from deltarule.errors import ContractError
+
+from conftest import rel
+
+SLOTS, C = 9, 24
+# (lengths, read rows, write rows, fresh, accepted, columns): plain and rolling layouts
+LAYOUTS = {
+    "plain-mixed": ([3, 1, 0, 7], [2, 5, 6, 0], [2, 5, 6, 0], [False, False, False, True], None, None),
+    "plain-T1-decode": ([1, 1, 1], [4, 1, 8], [4, 1, 8], None, None, None),
+    "plain-read-one-write-another": ([2, 2], [3, 4], [4, 3], None, None, None),   # reads before writes
+    "plain-padding-rows": ([2, 3], [-1, 7], [-1, 7], None, None, None),
+    "rolling-full": ([4, 4], [1, 6], [1, 6], None, [1, 3], 6),
+    "rolling-ragged": ([1, 4, 2], [0, 3, 5], [0, 3, 5], None, [2, 4, 1], 6),     # a sequence shorter than accepted
+}
+
+
+def _args(name, dtype, seed=0):
+    lengths, read, write, fresh, accepted, columns = LAYOUTS[name]
+    g = torch.Generator().manual_seed(seed)
+    T, W = sum(lengths), 4
+    x = torch.randn(T, C, generator=g).to(dtype)
+    weight, bias = torch.randn(C, W, generator=g), torch.randn(C, generator=g)
+    S = columns or W - 1 + 1                                 # plain rows one column wider than they need
+    slab = torch.randn(SLOTS, C, S, generator=g).to(dtype).transpose(1, 2)   # vLLM's [slots, C, S] memory
+    layout = dict(lengths=lengths, read_rows=read, write_rows=write, fresh=fresh, accepted=accepted)
+    return x, weight, bias, slab, layout, columns
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_conv_matches_float64_twin(name, dtype):
+    x, weight, bias, slab, layout, columns = _args(name, dtype)
+    before = slab.clone()
+    ref_out, ref_slab = reference_conv1d_slab(x, weight, bias, before, activation="silu", **layout)
+    plan = plan_conv(layout["lengths"], width=4, read_rows=layout["read_rows"], write_rows=layout["write_rows"],
+                     fresh=layout["fresh"], accepted=layout["accepted"], columns=columns)
+    out = causal_conv1d_slab(x, weight, bias, slab, plan, activation="silu")
+    assert out.dtype == dtype and out.shape == x.shape
+    assert rel(out, ref_out) < (1e-6 if dtype == torch.float32 else 8e-3)
+    assert torch.equal(slab.double(), ref_slab), "slab columns are copies of inputs: exact"
+    written = {r for r in layout["write_rows"] if r >= 0}
+    untouched = [r for r in range(SLOTS) if r not in written]
+    assert torch.equal(slab[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(accepted=[1, 5]), r"^accepted: .*\[1, 4\]"),
+    (dict(lengths=[4, 5]), r"^lengths: .*<= 4"),
+    (dict(width=1), r"^width: .*>= 2 with the rolling"),
+    (dict(read_rows=[1]), r"^read_rows / write_rows: .*2 rows"),
+])
+def test_plan_conv_refuses(over, match):
+    args = dict(lengths=[4, 4], width=4, read_rows=[1, 6], write_rows=[1, 6], accepted=[1, 3], columns=6)
+    with pytest.raises(ContractError, match=match):
+        plan_conv(**{**args, **over})
+
+
+def _metadata(spec: bool):
+    """vLLM's GDNAttentionMetadata fields the plugin reads: 2 decodes + 2 prefills (one without a
+    prior state), and with `spec` 2 more requests verifying draft tokens."""
+    t = lambda *v: torch.tensor(v, dtype=torch.int32)   # noqa: E731
+    m = types.SimpleNamespace(num_decodes=2, num_prefills=2, num_decode_tokens=2, num_prefill_tokens=9,
+                              num_spec_decodes=0, num_actual_tokens=11, spec_sequence_masks=None,
+                              non_spec_query_start_loc=t(0, 1, 2, 6, 11), non_spec_state_indices_tensor=t(3, 0, 5, 7),
+                              has_initial_state=torch.tensor([True, True, True, False]), non_spec_token_indx=None)
+    if spec:
+        m.spec_sequence_masks = torch.tensor([True, True, False, False, False, False])
+        m.num_spec_decodes = 2
+        m.spec_query_start_loc = t(0, 4, 5)
+        m.spec_state_indices_tensor = t(1, 2, 4, 6, 8, 10, 11, 12).view(2, 4)
+        m.num_accepted_tokens = t(2, 3)
+        m.spec_token_indx = torch.tensor([0, 1, 2, 3, 4])
+        m.non_spec_token_indx = torch.arange(5, 16)
+        m.num_actual_tokens = 16
+    return m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("spec", [False, True], ids=["prefill-decode", "with-speculative"])
+def test_core_call_matches_float64(spec, dtype, tmp_path, monkeypatch):
+    """The layer's core on the plugin's step (Qwen3.5's strided b / a views included), against
+    float64 twins of the convolution and of the recurrence (the shadow check)."""
+    Hk, Hv, K, V, W = 2, 4, 16, 8, 4
+    g = torch.Generator().manual_seed(1)
+    m = _metadata(spec)
+    slots, S = 16, W - 1 + (3 if spec else 0)
+    Cd = 2 * Hk * K + Hv * V
+    layer = types.SimpleNamespace(prefix="model.layers.0.linear_attn", activation="silu",
+                                  conv1d=types.SimpleNamespace(bias=torch.randn(Cd, generator=g)),
+                                  A_log=torch.rand(Hv, generator=g), dt_bias=torch.randn(Hv, generator=g))
+    weight = torch.randn(Cd, W, generator=g)
+    conv_state = torch.randn(slots, Cd, S, generator=g).to(dtype).transpose(1, 2)
+    ssm = torch.randn(slots, Hv, K, V, generator=g) * 0.1
+    n = m.num_actual_tokens
+    mixed_qkv = torch.randn(n, Cd, generator=g).to(dtype)
+    ba = torch.randn(n, 2 * Hv, generator=g).to(dtype)
+    b, a = ba.chunk(2, dim=-1)                               # Qwen3.5's layout: strided views
+    out = torch.full((n, Hv, V), float("nan"), dtype=dtype)
+    shadow = tmp_path / "shadow.jsonl"
+    monkeypatch.setenv(dv.SHADOW_ENV, str(shadow))
+    ssm_before = ssm.clone()
+    step = dv.step_of(m, width=W, columns=S, slots=slots)
+    assert len(step.parts) == (2 if spec else 1)
+    assert dv.step_of(m, width=W, columns=S, slots=slots) is step      # built once per step
+    for part in step.parts:
+        dv._run(layer, part, mixed_qkv, b, a, out, conv_state, ssm, weight, K=K, V=V)
+    assert not out.isnan().any(), "a token's output was never written"
+    records = [json.loads(line) for line in shadow.read_text().splitlines()]
+    assert len(records) == len(step.parts) and all(r["ok"] for r in records), records
+    assert ssm[7].abs().sum() > 0                            # the fresh sequence stored its state
+    untouched = [r for r in range(slots) if r not in {3, 0, 5, 7} | ({1, 2, 4, 6, 8} if spec else set())]
+    assert torch.equal(ssm[untouched], ssm_before[untouched])
