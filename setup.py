@@ -13,8 +13,9 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(
     "deltarule.kernels._recurrent_cpu",
-    sources=["deltarule/kernels/csrc/recurrent.c", "deltarule/kernels/csrc/backward.c"],
-    depends=["deltarule/kernels/csrc/vector.h"],
+    sources=["deltarule/kernels/csrc/recurrent.c", "deltarule/kernels/csrc/backward.c",
+             "deltarule/kernels/csrc/conv.c"],
+    depends=["deltarule/kernels/csrc/vector.h", "deltarule/kernels/csrc/elements.h"],
     extra_compile_args=["-O3", "-march=native", "-std=gnu11", "-pthread", "-Wno-psabi"],
     extra_link_args=["-pthread"],
     optional=True,

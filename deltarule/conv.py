@@ -22,14 +22,18 @@ twin, a loop over sequences.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .errors import ContractError
+from .kernels import cpu_conv
 
 ACTIVATIONS = (None, "silu")
+BACKENDS = ("auto", "cpu", "torch")
+_STATE_TYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,9 @@ class ConvPlan:
     write_cols: torch.Tensor     # [M] int64 its column
     write_src: torch.Tensor      # [M] int64 into src: its new value
     tokens: int                  # T
+    table: torch.Tensor          # [N, 5] int64 (start, length, read row or -1, read column, write row or -1)
+    rolling: bool
+    crossed: bool                # a sequence writes a slab row another sequence reads
 
 
 def plan_conv(lengths: list[int], *, width: int, read_rows: list[int], write_rows: list[int],
@@ -90,30 +97,36 @@ def plan_conv(lengths: list[int], *, width: int, read_rows: list[int], write_row
     for j in range(W):
         back = pos - (W - 1) + j                                   # the input's position in its sequence
         taps[j] = torch.where(back >= 0, token - (W - 1) + j, seq * S + offsets[seq] + pos + j)
-    w_rows, w_cols, w_src = [], [], []
-    for n in live:
-        L, first, o = lengths[n], N * S + int(starts[n]), int(offsets[n])
-        if accepted is not None:                                   # prior's last W - 2, then the tokens
-            cols = torch.arange(W - 2 + L)
-            src = torch.where(cols < W - 2, n * S + o + 1 + cols, first + cols - (W - 2))
-        else:                                                      # the last W - 1 of (prior, tokens)
-            cols = torch.arange(W - 1)
-            e = L + cols
-            src = torch.where(e < W - 1, n * S + o + e, first + e - (W - 1))
-        w_rows.append(torch.full_like(cols, write_rows[n]))
-        w_cols.append(cols)
-        w_src.append(src)
+    live_t = torch.tensor(live, dtype=torch.long)
+    L, first, o = lens[live_t, None], N * S + starts[live_t, None], offsets[live_t, None]
+    n = live_t[:, None]
+    if accepted is not None:                                       # prior's last W - 2, then the tokens
+        cols = torch.arange(W - 2 + int(L.max()) if live else 0).expand(len(live), -1)
+        src = torch.where(cols < W - 2, n * S + o + 1 + cols, first + cols - (W - 2))
+        keep = cols < W - 2 + L
+    else:                                                          # the last W - 1 of (prior, tokens)
+        cols = torch.arange(W - 1).expand(len(live), -1)
+        e = L + cols
+        src = torch.where(e < W - 1, n * S + o + e, first + e - (W - 1))
+        keep = torch.ones_like(cols, dtype=torch.bool)
+    w_rows = torch.tensor(write_rows, dtype=torch.long)[live_t, None].expand_as(cols)[keep]
     fresh = [bool(f) or r < 0 for f, r in zip(fresh or [False] * N, read_rows)]
     fresh_t = torch.tensor(fresh, dtype=torch.bool) if any(fresh) else None
     rows = torch.tensor(read_rows, dtype=torch.long)
     if fresh_t is not None:
         rows = torch.where(fresh_t, 0, rows)
-    empty = torch.zeros(0, dtype=torch.long)
-    return ConvPlan(W, S, rows, fresh_t, taps, *(torch.cat(x) if x else empty for x in (w_rows, w_cols, w_src)), T)
+    table = torch.stack((starts, lens, torch.tensor(read_rows, dtype=torch.long), offsets,
+                         torch.tensor(write_rows, dtype=torch.long)), dim=1)
+    table[:, 2] = torch.where(torch.tensor(fresh, dtype=torch.bool), -1, table[:, 2])
+    reads = {r: n for n, r in enumerate(table[:, 2].tolist()) if r >= 0}
+    crossed = any(reads.get(r, n) != n for n, r in zip(live, (write_rows[n] for n in live)))
+    return ConvPlan(W, S, rows, fresh_t, taps, w_rows, cols[keep], src[keep], T, table.contiguous(),
+                    accepted is not None, crossed)
 
 
 def causal_conv1d_slab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
-                       plan: ConvPlan, *, activation: str | None = "silu") -> torch.Tensor:
+                       plan: ConvPlan, *, activation: str | None = "silu", backend: str = "auto",
+                       splits: tuple[int, ...] | None = None):
     """Depthwise causal convolution of packed sequences, reading and updating `conv_state`.
 
     Args:
@@ -124,8 +137,13 @@ def causal_conv1d_slab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             its transpose), x's dtype or float32; the plan's rows are updated IN PLACE.
         plan: from `plan_conv` (S <= S').
         activation: None or "silu".
+        backend: "cpu" (the native kernel, csrc/conv.c: CPU tensors, x with channel stride 1,
+            W <= 16), "torch" (gathers, any device), or "auto" (default): cpu where it applies.
+        splits: None, or up to 4 channel counts summing to C: return the output split along
+            its channels into that many contiguous tensors (a layer's q, k, v: the cpu form
+            writes them where they lie).
 
-    Returns [T, C] in x's dtype, computed in float32:
+    Returns [T, C] (or the `splits` tuple of [T, C_i]) in x's dtype, computed in float32:
     out[t] = act(bias + sum_j weight[:, j] * input(t - (W - 1) + j)).
 
     >>> plan = plan_conv([2], width=2, read_rows=[0], write_rows=[0])
@@ -138,11 +156,33 @@ def causal_conv1d_slab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     """
     if activation not in ACTIVATIONS:
         raise ContractError("activation", f"one of {ACTIVATIONS}", activation)
+    if backend not in BACKENDS:
+        raise ContractError("backend", f"one of {BACKENDS}", backend)
     T, C = x.shape
     W, S = plan.width, plan.columns
     if T != plan.tokens or weight.shape != (C, W) or conv_state.shape[1] < S or conv_state.shape[2] != C:
         raise ContractError("x / weight / conv_state", f"[{plan.tokens}, C], [C, {W}], [slots, >= {S}, C]",
                             (tuple(x.shape), tuple(weight.shape), tuple(conv_state.shape)))
+    native = (x.device.type == "cpu" and conv_state.device.type == "cpu" and x.stride(1) == 1 and W <= 16
+              and conv_state.dtype in _STATE_TYPES and cpu_conv.available())
+    if backend == "cpu" and not native:
+        raise ContractError("backend", "'cpu' for CPU tensors with x's channel stride 1 and W <= 16 "
+                            "(and the native kernel built)", backend)
+    parts = (C,) if splits is None else tuple(splits)
+    if sum(parts) != C or not 1 <= len(parts) <= cpu_conv.MAX_PARTS or min(parts) < 1:
+        raise ContractError("splits", f"1 to {cpu_conv.MAX_PARTS} positive channel counts summing to {C}", splits)
+    if native and backend != "torch":
+        flat = torch.empty(T * C, dtype=x.dtype)
+        wt, b = _prepared(weight, bias)
+        cpu_conv.conv(x, flat, wt, b, conv_state, plan.table, rolling=plan.rolling, silu=activation == "silu",
+                      gather=plan.crossed, splits=parts)
+        if splits is None:
+            return flat.view(T, C)
+        outs, at = [], 0
+        for width in parts:
+            outs.append(flat[at:at + T * width].view(T, width))
+            at += T * width
+        return tuple(outs)
     prior = conv_state.index_select(0, plan.read_rows)[:, :S].float()
     if plan.fresh is not None:
         prior[plan.fresh] = 0
@@ -155,10 +195,32 @@ def causal_conv1d_slab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         out += bias.float()
     if activation == "silu":
         out = F.silu(out, inplace=True)
+    out_x = out.to(x.dtype)
     if plan.write_rows.numel():
         conv_state.index_put_((plan.write_rows, plan.write_cols),
                               src.index_select(0, plan.write_src).to(conv_state.dtype))
-    return out.to(x.dtype)
+    if splits is None:
+        return out_x
+    return tuple(part.contiguous() for part in out_x.split(list(parts), dim=1))
+
+
+_PREPARED: OrderedDict = OrderedDict()
+
+
+def _prepared(weight: torch.Tensor, bias: torch.Tensor | None):
+    """weight as [W, C] float32 and bias as float32, kept per (tensor, version): a layer's
+    taps are converted once, not per call. Entries hold their tensors, so an id is never
+    reused while cached."""
+    key = (id(weight), id(bias))
+    versions = (weight._version, None if bias is None else bias._version)
+    hit = _PREPARED.get(key)
+    if hit is None or hit[0] is not weight or hit[1] is not bias or hit[2] != versions:
+        hit = (weight, bias, versions, weight.t().float().contiguous(),
+               None if bias is None else bias.float().contiguous())
+        _PREPARED[key] = hit
+        while len(_PREPARED) > 256:
+            _PREPARED.popitem(last=False)
+    return hit[3], hit[4]
 
 
 def reference_conv1d_slab(x, weight, bias, conv_state, *, lengths, read_rows, write_rows, fresh=None,

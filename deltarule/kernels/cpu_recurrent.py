@@ -58,6 +58,9 @@ def _load():
     lib.deltarule_backward.argtypes = [ctypes.c_char_p, ctypes.c_int]
     lib.deltarule_backward.restype = ctypes.c_int
     lib.deltarule_backward_problem_size.restype = ctypes.c_size_t
+    lib.deltarule_conv.argtypes = [ctypes.c_void_p]
+    lib.deltarule_conv.restype = ctypes.c_int
+    lib.deltarule_conv_problem_size.restype = ctypes.c_size_t
     if (lib.deltarule_problem_size() != struct.calcsize(_PROBLEM.format + "0q")
             or lib.deltarule_backward_problem_size() != struct.calcsize(_BACKWARD.format + "0q")):
         raise ImportError("deltarule cpu kernel: the binding's problem layout does not match the C files "

@@ -71,6 +71,7 @@
 #endif
 
 #include "vector.h"
+#include "elements.h"
 
 #if VEC == 16
 #define SUMS 2                       /* partial sums of r and p: 4 u + 16 sums + 6 broadcasts + 2 rows of 32 zmm */
@@ -83,16 +84,12 @@
 #define ROWS_STORE_SHARE 8           /* more than 1 in 8 tokens storing its state: the row path */
 #define UNROLL _Pragma("GCC unroll 8")
 
-typedef int32_t vi __attribute__((vector_size(4 * VEC)));
 typedef uint32_t vu __attribute__((vector_size(4 * VEC)));
 typedef uint16_t vh __attribute__((vector_size(2 * VEC), aligned(2)));
 
 
 /* Gate forms: 0 absent, 1 scalar per (token, head), 2 per channel. */
 enum { ABSENT = 0, SCALAR = 1, CHANNEL = 2 };
-/* Element types of q, k, v, o, per-channel gates and states. */
-enum { F32 = 0, F16 = 1, BF16 = 2 };
-
 static inline int64_t size_of(int type) { return type == F32 ? 4 : 2; }
 
 /* Stores the `bytes` bytes at src to dst (aligned to the store's width) past the caches,
@@ -129,36 +126,6 @@ INLINE void store_bytes(void *dst, const void *src, int bytes, int nt)
         stream(dst, src, bytes);
     else
         memcpy(dst, src, bytes);
-}
-
-/* A NaN stored as bfloat16: torch's (c10::BFloat16's) quiet NaN */
-#define BF16_NAN 0x7fc0u
-
-/* One element of x (type) at off, widened; one element rounded to nearest even (as torch does;
- * a bfloat16 NaN stays NaN) */
-static inline float get1(const void *x, int64_t off, int type)
-{
-    if (type == F32)
-        return ((const float *)x)[off];
-    if (type == F16)
-        return (float)((const _Float16 *)x)[off];
-    const uint32_t bits = (uint32_t)((const uint16_t *)x)[off] << 16;
-    float y;
-    memcpy(&y, &bits, sizeof y);
-    return y;
-}
-
-static inline void put1(void *x, int64_t off, float y, int type)
-{
-    if (type == F32)
-        ((float *)x)[off] = y;
-    else if (type == F16)
-        ((_Float16 *)x)[off] = (_Float16)y;
-    else {
-        uint32_t bits;
-        memcpy(&bits, &y, sizeof bits);
-        ((uint16_t *)x)[off] = y != y ? BF16_NAN : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
-    }
 }
 
 /* VEC elements of x (type) from off, widened to float32 (type a constant where inlined) */
@@ -361,33 +328,6 @@ typedef struct {
     float *acc;                      /* whole rows: [V] r, [G, V] p, [V] u */
 } scratch;
 
-/* exp of VEC floats: exp(x) = 2^n exp(r), n = round(x / ln 2), |r| <= ln(2) / 2, exp(r) by a
- * degree-7 Taylor polynomial; 2^n applied as two factors so that results down to the
- * denormals and up to FLT_MAX come out right. Relative error below 3e-7 where the result is
- * normal (tests/test_cpu_backend.py checks it against float64); overflow gives infinity, NaN
- * stays NaN. */
-static inline vf vexp(vf x)
-{
-    const vf lo = splat(-104.0f), hi = splat(89.0f);   /* exp(-104) rounds to 0, exp(89) to inf */
-    const vi nan = x != x;
-    x = (vf)(((vi)x & ~(x < lo)) | ((vi)lo & (x < lo)));
-    x = (vf)(((vi)x & ~(x > hi)) | ((vi)hi & (x > hi)));
-    const vf shifter = splat(12582912.0f);             /* 1.5 * 2^23: adding it rounds to an integer */
-    const vf t = x * splat(1.44269504f) + shifter;
-    const vf n = t - shifter;
-    const vf r = (x - n * splat(0.693145752f)) - n * splat(1.42860677e-6f);   /* ln 2 in two parts */
-    vf p = splat(1.0f / 5040);
-    p = p * r + splat(1.0f / 720);
-    p = p * r + splat(1.0f / 120);
-    p = p * r + splat(1.0f / 24);
-    p = p * r + splat(1.0f / 6);
-    p = p * r + splat(0.5f);
-    p = p * r + splat(1.0f);
-    p = p * r + splat(1.0f);
-    const vi ni = (vi)t - (vi)shifter, n1 = ni >> 1, n2 = ni - n1;   /* n = n1 + n2, each in [-76, 65) */
-    const vf y = p * (vf)((n1 + 127) << 23) * (vf)((n2 + 127) << 23);
-    return (vf)(((vi)y & ~nan) | ((vi)splat(__builtin_nanf("")) & nan));
-}
 
 /* softplus(x) = log(1 + exp(x)) = max(x, 0) + log1p(exp(-|x|)), log1p(e) = 2 atanh(e / (2 + e)) by
  * its series to z^13 (z <= 1/3: relative error below 1e-9, and exact for tiny e); NaN stays NaN,
