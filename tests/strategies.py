@@ -394,20 +394,18 @@ def speculative_rows(draw, lengths: list[int], accepted_choices=(False, True)):
     N = len(lengths)
     padding = [draw(st.integers(0, 3)) == 0 for _ in range(N)]
     use_accepted = draw(st.sampled_from(accepted_choices))
-    if use_accepted:                        # a live sequence then needs 1 <= accepted <= its length
-        padding = [pad or n == 0 for pad, n in zip(padding, lengths)]
     longest = max((n for n, pad in zip(lengths, padding) if not pad), default=0)
     L = draw(st.integers(max(longest, 1), max(longest, 1) + 2))
-    # the read column is accepted - 1 (column 0 without num_accepted_tokens)
-    accepted = [draw(st.integers(1, L if pad else min(L, n))) if use_accepted else 1
-                for pad, n in zip(padding, lengths)]
+    # the read column is accepted - 1 (column 0 without num_accepted_tokens); accepted may
+    # exceed the sequence's length (vLLM's ragged verify)
+    accepted = [draw(st.integers(1, L)) if use_accepted else 1 for _ in lengths]
     # which columns store a state: the read column always (for live sequences)
     stores = [[not pad and t < n and (t == a - 1 or draw(st.integers(0, 3)) > 0) for t in range(L)]
               for pad, n, a in zip(padding, lengths, accepted)]
     fresh = sum(map(sum, stores))
     num_slots = fresh + draw(st.integers(0, 3))
-    if any(not pad and n == 0 for pad, n in zip(padding, lengths)):
-        num_slots = max(num_slots, 1)       # a live empty sequence still reads a row
+    if any(not pad and a - 1 >= n for pad, n, a in zip(padding, lengths, accepted)):
+        num_slots = max(num_slots, 1)       # a live sequence reading past its tokens still reads a row
     perm = iter(draw(st.permutations(range(num_slots))))
     rows = []
     for pad, n, a, store in zip(padding, lengths, accepted, stores):
@@ -473,8 +471,6 @@ def applicable(call: Call) -> list[str]:
                 kinds.append("L_too_short")
             if call.num_accepted_tokens is not None and call.N:
                 kinds.append("accepted_out_of_range")
-                if any(n < call.L for n in live_lengths(call).values()):
-                    kinds.append("accepted_beyond_length")
         else:
             kinds.append("accepted_with_1d")
     else:
@@ -550,7 +546,6 @@ KINDS = {
     "slab_shares_input": dict(slabs=("slab", "speculative"), min_B=1, min_T=1),
     "L_too_short": dict(slabs=("speculative",), min_B=1, min_T=2),
     "accepted_out_of_range": dict(slabs=("speculative",), accepted=(True,), min_B=1, min_T=1),
-    "accepted_beyond_length": dict(slabs=("speculative",), accepted=(True,), min_B=1, min_T=1),
 }
 
 
@@ -658,9 +653,6 @@ def invalid_calls(draw, kind: str | None = None):
         detail = (live[n] - 1,)
     elif kind == "accepted_out_of_range":
         detail = (draw(st.integers(0, call.N - 1)), draw(st.sampled_from([0, -1, call.L + 1, 2**31 - 1])))
-    elif kind == "accepted_beyond_length":
-        live = live_lengths(call)
-        detail = (draw(st.sampled_from([n for n, length in live.items() if length < call.L])),)
     elif kind == "seq_lens_out_of_range":
         detail = (draw(st.integers(0, call.B - 1)), draw(st.sampled_from([-1, call.T + 1, 2**31 - 1])))
     return call, Broken(kind, target, detail)
@@ -839,13 +831,6 @@ def break_call(call: Call, broken: Broken) -> tuple[dict, tuple[str, ...]]:
         accepted = args["num_accepted_tokens"].clone()
         accepted[n] = value
         args["num_accepted_tokens"] = accepted
-        return args, ("num_accepted_tokens",)
-    if kind == "accepted_beyond_length":
-        n = detail[0]
-        length = live_lengths(call)[n]
-        accepted, rows = args["num_accepted_tokens"].clone(), args["state_indices"].clone()
-        accepted[n], rows[n, length] = length + 1, 0      # reads a row: the sequence stays live
-        args["num_accepted_tokens"], args["state_indices"] = accepted, rows
         return args, ("num_accepted_tokens",)
     if kind == "cu_seqlens_with_B":
         args["cu_seqlens"] = torch.tensor([0, call.T], dtype=torch.int32)

@@ -65,34 +65,14 @@ def test_padding_sequence_touches_nothing(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_verify_accept_and_continue(backend):
-    """The serving flow: verify 4 draft tokens into their own rows, accept 2, continue from the
-    accepted token's row with the next step's num_accepted_tokens. The result equals running the
-    accepted tokens and the next ones as one plain sequence."""
-    args = cases.make_inputs({**CASE, "B": 1, "T": 6, "state_indices": [0], "num_slots": 16})
-    slab, rows = args.pop("initial_state"), [7, 8, 9, 10]
-    del args["state_indices"]
-    start = slab[7].clone()
-
-    def part(lo, hi, **call):
-        step = {n: (x[:, lo:hi] if n in ("q", "k", "v", "g", "gk", "erase", "write") else x)
-                for n, x in args.items()}
-        return deltarule.linear_attention(**step, **call, backend=backend)
-
-    part(0, 4, initial_state=slab, state_indices=torch.tensor([rows]))          # verify 4 drafts
-    # accept 2: the next step reads the same rows' column 1 (row 8), then stores from column 0 again
-    o_next, _ = part(2, 6, initial_state=slab, state_indices=torch.tensor([rows]),
-                     num_accepted_tokens=torch.tensor([2]))
-    o_plain, s_plain = part(0, 6, initial_state=start[None].clone())
-    assert rel(o_next, o_plain[:, 2:]) < 1e-5
-    assert rel(slab[10], s_plain[0]) < 1e-5
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_accepted_beyond_the_sequence_length(backend):
-    """vLLM's ragged verify: a request with no draft tokens this step (1 token) after a step that
-    accepted 3 reads column 2 and stores its one token's state in column 0."""
-    args = cases.make_inputs({**CASE, "B": 1, "T": 4, "state_indices": [0], "num_slots": 16})
+@pytest.mark.parametrize("T, accepted", [(6, 2), (4, 3)], ids=["accept-2-then-4-tokens", "accept-3-then-1-token"])
+def test_verify_accept_and_continue(backend, T, accepted):
+    """The serving flow: verify 4 draft tokens into their own rows, accept some, continue from
+    the accepted token's row with the next step's num_accepted_tokens (storing from column 0
+    again). The result equals running the accepted tokens and the next ones as one plain
+    sequence. The second case is vLLM's ragged verify: a request with no drafts this step
+    (1 token, fewer than it accepted)."""
+    args = cases.make_inputs({**CASE, "B": 1, "T": T, "state_indices": [0], "num_slots": 16})
     slab, rows = args.pop("initial_state"), [7, 8, 9, 10]
     del args["state_indices"]
     start = slab[7].clone()
@@ -104,12 +84,13 @@ def test_accepted_beyond_the_sequence_length(backend):
 
     part(0, 4, initial_state=slab, state_indices=torch.tensor([rows]))          # verify 4 drafts
     before = slab.clone()
-    o_next, _ = part(3, 4, initial_state=slab, state_indices=torch.tensor([rows]),
-                     num_accepted_tokens=torch.tensor([3]))
-    o_plain, s_plain = part(0, 4, initial_state=start[None].clone())
-    assert rel(o_next, o_plain[:, 3:]) < 1e-5
-    assert rel(slab[7], s_plain[0]) < 1e-5
-    assert_rows_rewritten(slab, before, {7})
+    o_next, _ = part(accepted, T, initial_state=slab, state_indices=torch.tensor([rows]),
+                     num_accepted_tokens=torch.tensor([accepted]))                # reads rows[accepted - 1]
+    o_plain, s_plain = part(0, T, initial_state=start[None].clone())
+    stored = T - accepted
+    assert rel(o_next, o_plain[:, accepted:]) < 1e-5
+    assert rel(slab[rows[stored - 1]], s_plain[0]) < 1e-5
+    assert_rows_rewritten(slab, before, set(rows[:stored]))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
