@@ -116,8 +116,9 @@ def linear_attention(
             written; the rows live sequences write are distinct. Every read
             happens before any write, so a row may be read and rewritten.
         num_accepted_tokens: [N] int in [1, L] (may exceed the sequence's
-            length: vLLM's request without drafts after accepted ones); only
-            with 2-D `state_indices`.
+            length: vLLM's request without drafts after accepted ones; a row
+            read past the sequence's tokens may not be one another live
+            sequence writes); only with 2-D `state_indices`.
         plan: a `deltarule.BatchPlan` from `deltarule.plan_batch`, instead
             of cu_seqlens / seq_lens / state_indices / num_accepted_tokens:
             validated once, reusable by every call of that batch layout

@@ -352,9 +352,16 @@ def _speculative(B, T, device, ranges, rows, L, num_accepted_tokens, num_slots, 
             if r >= 0:
                 if r in written:
                     raise ContractError(f"state_indices[{n}, {t}]", "distinct slab rows among the rows "
-                                        "live sequences write", f"{r} repeated (also {written[r]})")
-                written[r] = f"state_indices[{n}, {t}]"
+                                        "live sequences write", f"{r} repeated (also {written[r][1]})")
+                written[r] = (n, f"state_indices[{n}, {t}]")
         spans.append(Span(b, s, e, read, -1))
+    # a sequence reading past its tokens (accepted > its length) reads a row it does not write:
+    # no other sequence may write it (the kernels read each sequence's row as they reach it)
+    for n, (span, a) in enumerate(zip(spans, accepted)):
+        other = written.get(span.read)
+        if span.read >= 0 and other is not None and other[0] != n:
+            raise ContractError(f"state_indices[{n}, {a - 1}]", "a read row no other live sequence writes",
+                                f"{span.read}, written as {other[1]}")
     token_rows = np.asarray(rows, dtype=np.int64).reshape(N, L)
     token_rows.flags.writeable = False
     return BatchPlan(B, T, tuple(spans), token_rows, num_slots, varlen, device)

@@ -405,8 +405,11 @@ def speculative_rows(draw, lengths: list[int], accepted_choices=(False, True)):
     fresh = sum(map(sum, stores))
     num_slots = fresh + draw(st.integers(0, 3))
     if any(not pad and a - 1 >= n for pad, n, a in zip(padding, lengths, accepted)):
-        num_slots = max(num_slots, 1)       # a live sequence reading past its tokens still reads a row
-    perm = iter(draw(st.permutations(range(num_slots))))
+        num_slots = max(num_slots, fresh + 1)   # a live sequence reading past its tokens reads a row
+    order = draw(st.permutations(range(num_slots)))
+    perm = iter(order)
+    # the row a live sequence reads past its tokens: one no sequence writes
+    unwritten = list(order[fresh:])
     rows = []
     for pad, n, a, store in zip(padding, lengths, accepted, stores):
         row = []
@@ -414,7 +417,7 @@ def speculative_rows(draw, lengths: list[int], accepted_choices=(False, True)):
             if store[t]:
                 row.append(next(perm))
             elif t == a - 1:                # the read column: negative = padding
-                row.append(-1 if pad else draw(st.integers(0, num_slots - 1)))
+                row.append(-1 if pad else draw(st.sampled_from(unwritten)))
             elif not pad and t < n:         # a token that keeps no state
                 row.append(draw(st.sampled_from([-1, -5])))
             else:                           # never written: negative, or any row in range
