@@ -45,7 +45,7 @@ def run_engine(model: str, deltarule: bool, batches, prompt: int, decode: int) -
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.pop("DELTARULE_VLLM", None)
     run = subprocess.run([sys.executable, "-m", "deltarule.bench.vllm_engine", json.dumps(spec)], env=env,
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, cwd=tempfile.gettempdir())
     lines = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
     if run.returncode or not lines:
         raise RuntimeError(f"engine failed:\n{run.stderr[-4000:]}")

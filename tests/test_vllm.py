@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -53,8 +54,9 @@ def engine(spec: dict, shadow: str | None = None) -> dict:
     env.pop(dv.ENV, None)
     if shadow:
         env[dv.SHADOW_ENV] = shadow
-    run = subprocess.run([sys.executable, "-m", "deltarule.bench.vllm_engine", json.dumps(spec)], env=env, capture_output=True, text=True,
-                         timeout=900)
+    # (cwd: not the repository root, whose stale *.egg-info would hide the plugin's entry point)
+    run = subprocess.run([sys.executable, "-m", "deltarule.bench.vllm_engine", json.dumps(spec)], env=env,
+                         capture_output=True, text=True, timeout=900, cwd=tempfile.gettempdir())
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert run.returncode == 0 and lines, run.stderr[-6000:]
     return json.loads(lines[-1][len("RESULT "):])
@@ -140,7 +142,8 @@ def test_plugin_is_off_without_the_variable(monkeypatch):
 def test_example_runs():
     env = dict(os.environ)
     env.pop(dv.ENV, None)
-    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "examples", "vllm_cpu.py"),
-                          "--new-tokens", "4"], env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
+                                          "vllm_cpu.py"), "--new-tokens", "4"], env=env, capture_output=True, text=True,
+                         timeout=900, cwd=tempfile.gettempdir())
     assert run.returncode == 0, run.stderr[-4000:]
     assert run.stdout.count("prompt of") == 3 and "on deltarule" in run.stdout
