@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-from deltarule.bench import checkpoints
+from deltarule.bench import checkpoints, copy_bandwidth
 
 IMPLEMENTATIONS = ("vllm", "deltarule")
 
@@ -71,7 +71,9 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "deltarule-vllm-models"))
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    report = {}
+    copy = copy_bandwidth()
+    print(f"copy bandwidth {copy:.3g} GB/s (torch copy_ of 256 MiB, bytes read + written, median of 5)")
+    report = {"copy_gb_per_s": copy}
     for shape in args.shape:
         model = checkpoints.save("qwen3_next", os.path.join(args.models, f"qwen3_next-{shape}-bfloat16"), shape=shape,
                                  dtype="bfloat16")
