@@ -9,7 +9,8 @@ subprocess (deltarule/bench/vllm_engine.py): vLLM registers its ops once per pro
   `deltarule.integrations.transformers.enable()`), prompts of mixed lengths in one batch,
   chunked prefill, prefix caching on with a second round that hits the cache. vLLM-CPU's
   own GDN layer refuses float32 ("CPU GDN attention requires BF16"): only deltarule runs it.
-- bfloat16: every GDN call is checked against float64 twins (DELTARULE_VLLM_SHADOW).
+- bfloat16 and float16: every GDN call is checked against float64 twins
+  (DELTARULE_VLLM_SHADOW).
 - speculative decoding (ngram, 3 draft tokens): greedy tokens equal those without it, and
   calls with draft tokens ran on deltarule's speculative rows.
 """
@@ -46,7 +47,8 @@ ROUNDS = [[_prompt(i, n) for i, n in enumerate([5, 37, 70, 1, 150])],
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_models")
-    return {dtype: checkpoints.save("qwen3_next", str(root / dtype), dtype=dtype) for dtype in ("float32", "bfloat16")}
+    return {dtype: checkpoints.save("qwen3_next", str(root / dtype), dtype=dtype)
+            for dtype in ("float32", "bfloat16", "float16")}
 
 
 def engine(spec: dict, shadow: str | None = None) -> dict:
@@ -105,13 +107,16 @@ def test_float32_calls_match_float64(float32_run):
     assert records and not bad, bad[:3]
 
 
-def test_bfloat16_calls_match_float64(models, tmp_path):
-    shadow = str(tmp_path / "bfloat16.jsonl")
-    result = engine(dict(model=models["bfloat16"], dtype="bfloat16", deltarule=True, prompts=ROUNDS[:1],
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_calls_match_float64(models, tmp_path, dtype):
+    """Every GDN call of a 16-bit model against float64 twins (vLLM-CPU's own op takes bfloat16
+    only: float16 runs on deltarule alone)."""
+    shadow = str(tmp_path / f"{dtype}.jsonl")
+    result = engine(dict(model=models[dtype], dtype=dtype, deltarule=True, prompts=ROUNDS[:1],
                          max_tokens=NEW_TOKENS), shadow)
     records = shadow_records(shadow)
     assert len(result["tokens"][0]) == len(ROUNDS[0])
-    assert {r["dtype"] for r in records} == {"torch.bfloat16"}
+    assert {r["dtype"] for r in records} == {f"torch.{dtype}"}
     assert any(r["tokens"] > r["sequences"] for r in records) and any(r["tokens"] == r["sequences"] for r in records)
     bad = [r for r in records if not r["ok"]]
     assert not bad, bad[:3]
