@@ -38,13 +38,12 @@ _STATE_TYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class ConvPlan:
-    """Gather indices of one call. ``src`` below is the call's gathered slab rows, [N * S, C]
-    (zero for sequences without a prior), followed by its tokens, [T, C]."""
+    """One call's layout: the per-sequence table (the cpu form's) and the torch form's gather
+    indices. ``src`` below is the call's gathered slab rows, [N * S, C] (zero for sequences
+    without a prior), followed by its tokens, [T, C]."""
 
     width: int
     columns: int                 # S: slab columns gathered per sequence
-    read_rows: torch.Tensor      # [N] int64 slab rows gathered (0 for a fresh sequence)
-    fresh: torch.Tensor | None   # [N] bool: read zeros instead (None: none fresh)
     taps: torch.Tensor           # [W, T] int64 into src: tap j of token t (j = W - 1: t itself)
     write_rows: torch.Tensor     # [M] int64 slab row of each element written
     write_cols: torch.Tensor     # [M] int64 its column
@@ -110,18 +109,14 @@ def plan_conv(lengths: list[int], *, width: int, read_rows: list[int], write_row
         src = torch.where(e < W - 1, n * S + o + e, first + e - (W - 1))
         keep = torch.ones_like(cols, dtype=torch.bool)
     w_rows = torch.tensor(write_rows, dtype=torch.long)[live_t, None].expand_as(cols)[keep]
-    fresh = [bool(f) or r < 0 for f, r in zip(fresh or [False] * N, read_rows)]
-    fresh_t = torch.tensor(fresh, dtype=torch.bool) if any(fresh) else None
-    rows = torch.tensor(read_rows, dtype=torch.long)
-    if fresh_t is not None:
-        rows = torch.where(fresh_t, 0, rows)
-    table = torch.stack((starts, lens, torch.tensor(read_rows, dtype=torch.long), offsets,
+    reads = [-1 if f else r for f, r in zip(fresh or [False] * N, read_rows)]
+    table = torch.stack((starts, lens, torch.tensor(reads, dtype=torch.long), offsets,
                          torch.tensor(write_rows, dtype=torch.long)), dim=1)
-    table[:, 2] = torch.where(torch.tensor(fresh, dtype=torch.bool), -1, table[:, 2])
-    reads = {r: n for n, r in enumerate(table[:, 2].tolist()) if r >= 0}
-    crossed = any(reads.get(r, n) != n for n, r in zip(live, (write_rows[n] for n in live)))
-    return ConvPlan(W, S, rows, fresh_t, taps, w_rows, cols[keep], src[keep], T, table.contiguous(),
-                    accepted is not None, crossed)
+    # sequences run in order, so only a row written before a later sequence reads it is a hazard
+    # (conservatively: a row some other sequence reads last)
+    last_reader = {r: n for n, r in enumerate(reads) if r >= 0}
+    crossed = any(last_reader.get(write_rows[n], n) != n for n in live)
+    return ConvPlan(W, S, taps, w_rows, cols[keep], src[keep], T, table.contiguous(), accepted is not None, crossed)
 
 
 def causal_conv1d_slab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
@@ -178,14 +173,10 @@ def causal_conv1d_slab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                       gather=plan.crossed, splits=parts)
         if splits is None:
             return flat.view(T, C)
-        outs, at = [], 0
-        for width in parts:
-            outs.append(flat[at:at + T * width].view(T, width))
-            at += T * width
-        return tuple(outs)
-    prior = conv_state.index_select(0, plan.read_rows)[:, :S].float()
-    if plan.fresh is not None:
-        prior[plan.fresh] = 0
+        return tuple(p.view(T, width) for p, width in zip(flat.split([T * width for width in parts]), parts))
+    read = plan.table[:, 2]                                       # -1: no prior, zeros
+    prior = conv_state.index_select(0, read.clamp(min=0))[:, :S].float()
+    prior[read < 0] = 0
     src = torch.cat((prior.reshape(-1, C), x.float()))
     w = weight.float()
     out = src.index_select(0, plan.taps[W - 1]) * w[:, W - 1]

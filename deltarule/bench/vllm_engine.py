@@ -17,7 +17,6 @@ import json
 import os
 import sys
 import time
-import typing
 
 GDN_SECONDS = [0.0, 0]
 
@@ -34,8 +33,7 @@ def _time_gdn() -> None:
         GDN_SECONDS[0] += time.perf_counter() - start
         GDN_SECONDS[1] += 1
 
-    timed.__annotations__ = {**typing.get_type_hints(inner), "return": None}
-    setattr(module, dv.HOOKED_FUNCTION, timed)
+    setattr(module, dv.HOOKED_FUNCTION, dv.adopt_schema(timed, inner))
 
 
 def main(spec: dict) -> dict:

@@ -80,13 +80,17 @@ def enable() -> bool:
                     "(call enable() before the engine builds the model, or set %s=1)", HOOKED_FUNCTION, ENV)
         return False
     original = getattr(module, HOOKED_FUNCTION)
-    # vLLM infers the op's schema from the annotations: take the original's, resolved in its module
-    hints = typing.get_type_hints(original)
-    gdn_attention_core.__annotations__ = {**hints, "return": None}
     module._deltarule_original = original
-    setattr(module, HOOKED_FUNCTION, gdn_attention_core)
+    setattr(module, HOOKED_FUNCTION, adopt_schema(gdn_attention_core, original))
     log.info("deltarule: vLLM's Gated DeltaNet layers run on deltarule (%s.%s)", HOOKED_MODULE, HOOKED_FUNCTION)
     return True
+
+
+def adopt_schema(function, original):
+    """`function` annotated as `original` (resolved in its module): vLLM infers the custom op's
+    schema from the annotations of the function it registers. Returns `function`."""
+    function.__annotations__ = {**typing.get_type_hints(original), "return": None}
+    return function
 
 
 def enabled() -> bool:
@@ -129,9 +133,7 @@ class Part:
     zero_rows: torch.Tensor | None  # state slab rows of sequences without a prior state (zeroed first)
     rows: torch.Tensor             # the state slab rows the call writes
     layout: dict                   # plan_conv's arguments (for the shadow check)
-    plan_cu: torch.Tensor          # the plan's arguments (for the shadow check)
-    plan_indices: torch.Tensor
-    plan_accepted: torch.Tensor | None
+    state_indices: torch.Tensor    # the plan's rows, [N] or [N, L] (for the shadow check)
 
 
 @dataclass(frozen=True)
@@ -198,21 +200,15 @@ def _part(lengths, rows, fresh, accepted, tokens, *, width, columns, slots) -> P
 
 def _build_part(lengths, rows, fresh, accepted, tokens, *, width, columns, slots) -> Part:
     T = sum(lengths)
-    cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+    state_indices = torch.tensor(rows, dtype=torch.int64)
+    conv_rows = rows if accepted is None else state_indices[:, 0].tolist()
     if accepted is None:
-        state_indices = torch.tensor(rows, dtype=torch.int64)
-        conv_rows = rows
-        layout = dict(lengths=lengths, read_rows=rows, write_rows=rows, fresh=fresh)
-        conv = plan_conv(lengths, width=width, read_rows=rows, write_rows=rows, fresh=fresh)
-        plan = plan_batch(1, T, cu_seqlens=cu, state_indices=state_indices, num_slots=slots)
+        layout = dict(lengths=lengths, read_rows=conv_rows, write_rows=conv_rows, fresh=fresh)
     else:
-        state_indices = torch.tensor(rows, dtype=torch.int64)
-        conv_rows = state_indices[:, 0].tolist()
         layout = dict(lengths=lengths, read_rows=conv_rows, write_rows=conv_rows, accepted=accepted)
-        conv = plan_conv(lengths, width=width, read_rows=conv_rows, write_rows=conv_rows, accepted=accepted,
-                         columns=columns)
-        plan = plan_batch(1, T, cu_seqlens=cu, state_indices=state_indices,
-                          num_accepted_tokens=torch.tensor(accepted, dtype=torch.int64), num_slots=slots)
+    conv = plan_conv(**layout, width=width, columns=None if accepted is None else columns)
+    plan = plan_batch(1, T, cu_seqlens=_offsets(lengths), state_indices=state_indices, num_slots=slots,
+                      num_accepted_tokens=_accepted(layout))
     zero = [r for r, f in zip(conv_rows, fresh or ()) if f and r >= 0]
     zero_rows = torch.tensor(zero, dtype=torch.int64) if zero else None
     tokens = torch.tensor(tokens, dtype=torch.int64) if tokens is not None else None
@@ -221,8 +217,16 @@ def _build_part(lengths, rows, fresh, accepted, tokens, *, width, columns, slots
         live = torch.tensor([L for L in lengths if L > 0], dtype=torch.int64)
         written = written[torch.arange(written.shape[1]) < live[:, None]]
     written = written[written >= 0]
-    accepted_t = torch.tensor(accepted, dtype=torch.int64) if accepted is not None else None
-    return Part(tokens, T, conv, plan, zero_rows, written, layout, cu, state_indices, accepted_t)
+    return Part(tokens, T, conv, plan, zero_rows, written, layout, state_indices)
+
+
+def _offsets(lengths) -> torch.Tensor:
+    return torch.tensor([0] + list(lengths), dtype=torch.int64).cumsum(0)
+
+
+def _accepted(layout: dict) -> torch.Tensor | None:
+    accepted = layout.get("accepted")
+    return None if accepted is None else torch.tensor(accepted, dtype=torch.int64)
 
 
 def gdn_attention_core(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, core_attn_out: torch.Tensor,
@@ -281,23 +285,15 @@ def _run(layer, part: Part, mixed_qkv, b, a, out, conv_state, ssm, weight, *, K:
     else:
         out.index_copy_(0, part.tokens, o[0])
     if shadow:
-        _shadow(shadow, layer, part, x, torch.cat(y, dim=1), o, conv_state, ssm, before, weight, inputs, K=K, V=V)
+        _shadow(shadow, layer, part, x, y, (q, k, v), o, conv_state, ssm, before, weight, inputs)
 
 
-def _split(y: torch.Tensor, *, K: int, V: int, Hv: int):
-    """q, k, v views [1, T, H, D] of the convolution's token-major output."""
-    T = y.shape[0]
-    kd = (y.shape[1] - Hv * V) // 2
-    return (y[:, :kd].view(1, T, kd // K, K), y[:, kd:2 * kd].view(1, T, kd // K, K),
-            y[:, 2 * kd:].view(1, T, Hv, V))
-
-
-def _shadow(path, layer, part, x, y, o, conv_state, ssm, before, weight, inputs, *, K, V) -> None:
+def _shadow(path, layer, part, x, y, qkv, o, conv_state, ssm, before, weight, inputs) -> None:
     """The float64 check of one call (DELTARULE_VLLM_SHADOW): one JSON line appended to `path`.
 
     `before` holds the rows the call reads or writes (`_rows_used`); the twins run on
     compact slabs of those rows."""
-    from ..check import STORE_TOL
+    from ..check import STORE_TOL, rel_err
     used, conv_before, ssm_before = before
     where = {int(r): i for i, r in enumerate(used.tolist())}
     layout = dict(part.layout, read_rows=[where.get(r, 0) for r in part.layout["read_rows"]],
@@ -305,19 +301,19 @@ def _shadow(path, layer, part, x, y, o, conv_state, ssm, before, weight, inputs,
     ref_y, ref_conv = reference_conv1d_slab(x, weight, layer.conv1d.bias, conv_before, activation=layer.activation,
                                             **layout)
     state = ssm_before.clone()
-    indices = part.plan_indices.clone()
+    indices = part.state_indices.clone()
     indices[indices >= 0] = torch.tensor([where[int(r)] for r in indices[indices >= 0].tolist()], dtype=torch.int64)
     zero = [where[int(r)] for r in part.zero_rows.tolist()] if part.zero_rows is not None else []
     state[zero] = 0
-    q, k, v = _split(y, K=K, V=V, Hv=ssm.shape[1])
-    ref_o, ref_state = api.linear_attention(q, k, v, initial_state=state, cu_seqlens=part.plan_cu,
-                                            state_indices=indices, num_accepted_tokens=part.plan_accepted,
+    ref_o, ref_state = api.linear_attention(*qkv, initial_state=state, cu_seqlens=_offsets(part.layout["lengths"]),
+                                            state_indices=indices, num_accepted_tokens=_accepted(part.layout),
                                             backend="reference", **inputs)
     tol = SHADOW_TOL[x.dtype]
     conv_rows = torch.tensor([where[int(r)] for r in part.conv.write_rows.tolist()], dtype=torch.int64)
     rows = torch.tensor([where[int(r)] for r in part.rows.tolist()], dtype=torch.int64)
-    errors = {"conv": _rel(y, ref_y), "conv_state": _rel(conv_state[used][conv_rows], ref_conv[conv_rows]),
-              "o": _rel(o, ref_o), "state": _rel(ssm[used][rows], ref_state[rows])}
+    pairs = {"conv": (torch.cat(y, dim=1), ref_y), "conv_state": (conv_state[used][conv_rows], ref_conv[conv_rows]),
+             "o": (o, ref_o), "state": (ssm[used][rows], ref_state[rows])}
+    errors = {name: rel_err(got, ref.double().numpy()) for name, (got, ref) in pairs.items()}
     limits = {"conv": tol, "conv_state": 1e-7, "o": tol, "state": tol + STORE_TOL[ssm.dtype]}
     record = dict(layer=layer.prefix, tokens=part.count, sequences=len(part.layout["lengths"]),
                   speculative="accepted" in part.layout, dtype=str(x.dtype), state_dtype=str(ssm.dtype),
@@ -327,11 +323,5 @@ def _shadow(path, layer, part, x, y, o, conv_state, ssm, before, weight, inputs,
 
 
 def _rows_used(part: Part) -> torch.Tensor:
-    rows = set(part.layout["read_rows"]) | set(part.layout["write_rows"]) | set(part.plan_indices.flatten().tolist())
+    rows = set(part.layout["read_rows"]) | set(part.layout["write_rows"]) | set(part.state_indices.flatten().tolist())
     return torch.tensor(sorted(r for r in rows if r >= 0), dtype=torch.int64)
-
-
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.double()
-    den = float(ref.norm())
-    return float((x.double() - ref).norm()) / den if den > 0 else float((x.double() - ref).norm())

@@ -24,8 +24,8 @@ _LOCAL = threading.local()       # one packed problem per thread: ctypes drops t
 def _buffer() -> tuple[bytearray, int]:
     buf = getattr(_LOCAL, "buf", None)
     if buf is None:
-        buf = _LOCAL.buf = (bytearray(_PROBLEM.size), 0)
-        buf = _LOCAL.buf = (buf[0], ctypes.addressof(ctypes.c_char.from_buffer(buf[0])))
+        data = bytearray(_PROBLEM.size)
+        buf = _LOCAL.buf = (data, ctypes.addressof(ctypes.c_char.from_buffer(data)))
     return buf
 
 

@@ -46,10 +46,8 @@ static void load_row(float *restrict dst, const void *x, int64_t off, int64_t n,
         memcpy(dst, (const float *)x + off, sizeof(float) * n);
     else if (type == BF16) {
         const uint16_t *s = (const uint16_t *)x + off;
-        for (int64_t c = 0; c < n; c++) {
-            const uint32_t bits = (uint32_t)s[c] << 16;
-            memcpy(dst + c, &bits, sizeof bits);
-        }
+        for (int64_t c = 0; c < n; c++)
+            dst[c] = bf16_widen(s[c]);
     } else {
         const _Float16 *s = (const _Float16 *)x + off;
         for (int64_t c = 0; c < n; c++)
@@ -63,12 +61,8 @@ static void store_row(void *x, int64_t off, const float *restrict src, int64_t n
         memcpy((float *)x + off, src, sizeof(float) * n);
     else if (type == BF16) {
         uint16_t *d = (uint16_t *)x + off;
-        for (int64_t c = 0; c < n; c++) {
-            uint32_t bits;
-            memcpy(&bits, src + c, sizeof bits);
-            const uint16_t r = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
-            d[c] = src[c] != src[c] ? BF16_NAN : r;
-        }
+        for (int64_t c = 0; c < n; c++)
+            d[c] = bf16_round(src[c]);
     } else {
         _Float16 *d = (_Float16 *)x + off;
         for (int64_t c = 0; c < n; c++)
