@@ -11,7 +11,7 @@ subprocess (deltarule/bench/vllm_engine.py): vLLM registers its ops once per pro
   own GDN layer refuses float32 ("CPU GDN attention requires BF16"): only deltarule runs it.
 - bfloat16 and float16: every GDN call is checked against float64 twins
   (DELTARULE_VLLM_SHADOW).
-- speculative decoding (ngram, 3 draft tokens): greedy tokens equal those without it, and
+- speculative decoding (ngram, 3 draft tokens): greedy tokens equal transformers', and
   calls with draft tokens ran on deltarule's speculative rows.
 """
 
@@ -122,15 +122,20 @@ def test_16_bit_calls_match_float64(models, tmp_path, dtype):
     assert not bad, bad[:3]
 
 
-def test_speculative_ngram_greedy_equal(models, float32_run, tmp_path):
-    """ngram speculation (3 drafts) gives the tokens of the run without it. vLLM-CPU's
-    speculative path with prefix caching needs a Triton GPU kernel (mamba_utils'
-    precopy_mamba_align_fused_kernel), with its own kernels as with deltarule: off here."""
+def test_speculative_ngram_greedy_equal(models, tmp_path):
+    """ngram speculation (3 drafts) gives transformers' greedy tokens. One prompt holds every
+    token id of the vocabulary but the pad id 0 (transformers' generate would mask it), so
+    nearly every step's last token has an earlier match and the ngram proposer
+    (prompt_lookup_min 1) drafts: the verify calls are certain, not left to what the random
+    weights generate. vLLM-CPU's speculative path with prefix caching needs a
+    Triton GPU kernel (mamba_utils' precopy_mamba_align_fused_kernel), with its own kernels as
+    with deltarule: off here."""
+    prompts = ROUNDS[0][:3] + [[(37 * j + 11) % 255 + 1 for j in range(255)]]
     shadow = str(tmp_path / "speculative.jsonl")
-    result = engine(dict(model=models["float32"], dtype="float32", deltarule=True, prompts=ROUNDS[:1],
+    result = engine(dict(model=models["float32"], dtype="float32", deltarule=True, prompts=[prompts],
                          max_tokens=NEW_TOKENS, speculative=3, prefix_caching=False), shadow)
     records = shadow_records(shadow)
-    assert result["tokens"][0] == float32_run[0]["tokens"][0]
+    assert result["tokens"][0] == transformers_tokens(models["float32"], prompts)
     drafts = [r for r in records if r["speculative"] and r["tokens"] > r["sequences"]]
     assert drafts, "no call verified draft tokens: the test lost its point"
     bad = [r for r in records if not r["ok"]]
