@@ -1,4 +1,4 @@
-"""The `deltarule` command: check, bench, info."""
+"""The `deltarule` command: check, bench, info, card export."""
 
 from __future__ import annotations
 
@@ -20,6 +20,14 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("info", help="backends available on this machine and what each supports")
 
+    p_card = sub.add_parser("card", help="WebGPU kernel cards of the WGSL shaders (docs/web.md)")
+    card_sub = p_card.add_subparsers(dest="card_command", required=True)
+    p_export = card_sub.add_parser("export", help="write the cards' folders under DIR")
+    p_export.add_argument("directory", metavar="DIR")
+    p_export.add_argument("--only", action="append", metavar="ID",
+                          help="a card id (com.microsoft.GatedDeltaNet, com.microsoft.LinearAttentionGate, "
+                               "deltarule.LinearAttention); repeatable; default all")
+
     args = parser.parse_args(argv)
     if args.command == "check":
         from .check import main as check_main
@@ -27,6 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from .bench import main as bench_main
         return bench_main(args)
+    if args.command == "card":
+        from .cards import CARDS, export
+        unknown = sorted(set(args.only or ()) - set(CARDS))
+        if unknown:
+            parser.error(f"--only: unknown card {unknown[0]!r} (one of {', '.join(CARDS)})")
+        for folder in export(args.directory, args.only):
+            print(folder)
+        return 0
     return _info()
 
 

@@ -112,6 +112,20 @@ def gated_delta_net(
         ContractError: any input or attribute the operator rejects, or an
             unsupported feature.
     """
+    kind, args, out_shape = gated_delta_net_arguments(
+        query, key, value, cu_seqlens, decay, beta, initial_state, a_log, dt_bias, update_rule=update_rule,
+        scale=scale, gate_activation=gate_activation, beta_activation=beta_activation, qk_l2_norm=qk_l2_norm,
+        chunk_size=chunk_size, state_update_capacity=state_update_capacity, gate_lower_bound=gate_lower_bound)
+    o, state = _call(**args)
+    return kind.out(o.reshape(out_shape)), kind.out(state)
+
+
+def gated_delta_net_arguments(query, key, value, cu_seqlens, decay, beta, initial_state, a_log, dt_bias, *,
+                              update_rule, scale, gate_activation, beta_activation, qk_l2_norm, chunk_size,
+                              state_update_capacity, gate_lower_bound) -> tuple[Kind, dict, tuple]:
+    """`gated_delta_net`'s validation and mapping: (the caller's kind, the keyword arguments of
+    deltarule's call, the output's shape). The kernel card exporter runs the same mapping
+    through the float64 reference (deltarule/cards)."""
     kind = Kind("query", query)
     x = kind.tensor("query", query, optional=False)
 
@@ -278,14 +292,14 @@ def gated_delta_net(
             g = raw
     beta_arg = rows(b) if b is not None else None
 
-    o, state = _call(
-        rows(q), rows(k), rows(v), rule=update_rule, g=g, gk=gk, beta=beta_arg, scale=scale,
+    args = dict(
+        q=rows(q), k=rows(k), v=rows(v), rule=update_rule, g=g, gk=gk, beta=beta_arg, scale=scale,
         initial_state=s0, state_layout="vk", cu_seqlens=cu, qk_l2norm=l2norm,
         l2norm_eps=L2NORM_EPS, A_log=A_log, dt_bias=bias_arg if A_log is not None else None,
         beta_sigmoid=beta_activation == "sigmoid" and delta, chunk_size=chunk_size,
         accept_growth=True,  # the runtime takes any log decay; linear_attention refuses > 0
     )
-    return kind.out(o.reshape(lead + (Hv, Dv))), kind.out(state)
+    return kind, args, lead + (Hv, Dv)
 
 
 def _split_packed(x: torch.Tensor, s0: torch.Tensor | None):

@@ -1,0 +1,153 @@
+"""WebGPU kernel cards of deltarule's WGSL shaders (`deltarule card export DIR`).
+
+A card is a folder a JavaScript loader (web/deltarule-kernels.js) runs from:
+
+- ``manifest.json``: the op contract (bind keys, dtypes, ranks, presence
+  rules, attributes with defaults; `manifests.py`);
+- ``metadata.json``: id, the variants (which template each dispatch renders),
+  the host program, provenance, and the sha256 digest of every other file;
+- ``test.json`` / ``bench.json``: correctness cases with expected outputs from
+  the float64 reference, and benchmark shapes (`cases.py`);
+- the ``*.wgsl.jinja`` templates (deltarule's own, rendered by the loader with
+  Nunjucks) and ``host.js`` + ``common.js``: the host program that checks
+  shapes, builds the sequence table and plans the dispatches.
+
+Three cards: ``com.microsoft.GatedDeltaNet`` and
+``com.microsoft.LinearAttentionGate`` (exactly ONNX Runtime's contracts) and
+``deltarule.LinearAttention`` (the generalized op: per-key decay, erase /
+write gates, state slabs with row indices and speculative rows).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from importlib import resources
+
+from . import cases, manifests
+
+__all__ = ["export", "CARDS"]
+
+_WGSL = resources.files("deltarule.kernels.wgsl")
+
+# The variants a call may ask for (`variant`; "auto" lets the host program choose) and the
+# templates each renders; every card also has narrow.wgsl.jinja for 16-bit outputs.
+_RECURRENT = {"name": "recurrent", "templates": ["recurrent.wgsl.jinja"],
+              "use": "decode, speculative verify and short sequences: one workgroup per (value tile, head, "
+                     "sequence), the state tile in registers"}
+_HELPERS = ["_common.wgsl.jinja", "narrow.wgsl.jinja"]
+_JS = resources.files(__package__).joinpath("js")
+
+# card id -> (manifest, host program, variants, test cases)
+CARDS = {
+    "com.microsoft.GatedDeltaNet": (
+        manifests.GATED_DELTA_NET, "gated_delta_net.js",
+        [_RECURRENT],
+        cases.gated_delta_net_tests),
+    "com.microsoft.LinearAttentionGate": (
+        manifests.LINEAR_ATTENTION_GATE, "linear_attention_gate.js",
+        [{"name": "gate", "templates": ["gate.wgsl.jinja"], "use": "every call: one invocation per element"}],
+        cases.linear_attention_gate_tests),
+    "deltarule.LinearAttention": (
+        manifests.LINEAR_ATTENTION, "linear_attention.js",
+        [_RECURRENT],
+        cases.linear_attention_tests),
+}
+_SHARED_JS = ("common.js",)
+
+
+def _templates(variants) -> list[str]:
+    """The variants' templates, the templates they import and the narrowing pass."""
+    return sorted({t for v in variants for t in v["templates"]} | set(_HELPERS))
+
+
+def export(directory: str, only: list[str] | None = None) -> list[str]:
+    """Write one card folder per op under `directory` (replacing what is there); returns their paths."""
+    written = []
+    for card_id, (manifest, host, variants, tests) in CARDS.items():
+        if only and card_id not in only:
+            continue
+        folder = os.path.join(directory, card_id)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+        files = {
+            "manifest.json": _json(manifest),
+            "test.json": _json({"cases": tests()}, indent=None),
+            "bench.json": _json({"cases": cases.bench_cases(card_id)}),
+        }
+        for name in _templates(variants):
+            files[name] = _WGSL.joinpath(name).read_text()
+        files["host.js"] = _JS.joinpath(host).read_text()
+        for name in _SHARED_JS:
+            files[name] = _JS.joinpath(name).read_text()
+        files["README.md"] = _readme(manifest, variants)
+        for name, text in files.items():
+            with open(os.path.join(folder, name), "w") as f:
+                f.write(text)
+        metadata = {
+            "id": card_id,
+            "version": 1,
+            "host": "host.js",
+            "modules": list(_SHARED_JS),
+            "variants": variants,
+            "templates": _templates(variants),
+            "template_engine": "jinja (rendered by Nunjucks in JavaScript, jinja2 in Python)",
+            "provenance": {"generator": "deltarule card export", "package": "deltarule",
+                           "version": _version(), "shaders": "deltarule/kernels/wgsl",
+                           "expected_outputs": "deltarule.reference (float64)"},
+            "digests": {name: "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+                        for name, text in sorted(files.items())},
+        }
+        with open(os.path.join(folder, "metadata.json"), "w") as f:
+            f.write(_json(metadata))
+        written.append(folder)
+    return written
+
+
+def _json(data, indent=1) -> str:
+    return json.dumps(data, indent=indent, allow_nan=False) + "\n"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("deltarule")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _readme(manifest: dict, variants: list[dict]) -> str:
+    def presence(p):
+        if isinstance(p, str):
+            return p
+        if "exactly_when" in p:
+            return "exactly when " + "; ".join(f"{a} in {v}" for a, v in p["exactly_when"].items())
+        if "with" in p:
+            return "optional, with " + ", ".join(p["with"])
+        return "optional, " + "; ".join(f"{b} of rank {r}" for b, r in p["requires_rank"].items())
+
+    lines = [f"# {manifest['id']}", "", manifest["description"], "", "## Inputs", "",
+             "| Bind key | Name | Type | Rank | Presence | Description |", "| --- | --- | --- | --- | --- | --- |"]
+    for x in manifest["inputs"]:
+        lines.append(f"| `{x['bind']}` | `{x['name']}` | `{x['type']}` | {x.get('rank', '—')} | "
+                     f"{presence(x['presence'])} | {x.get('description', '')} |")
+    lines += ["", "## Outputs", "", "| Bind key | Name | Type | Rank | Presence | Description |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for x in manifest["outputs"]:
+        lines.append(f"| `{x['bind']}` | `{x['name']}` | `{x['type']}` | {x.get('rank', '—')} | "
+                     f"{presence(x['presence'])} | {x.get('description', '')} |")
+    lines += ["", "## Attributes", "", "| Attribute | Default | Values | Description |", "| --- | --- | --- | --- |"]
+    for a in manifest["attributes"]:
+        lines.append(f"| `{a['name']}` | `{json.dumps(a['default'])}` | {a.get('values', '')} | "
+                     f"{a.get('description', '')} |")
+    lines += ["", "## Type constraints", "", "| Variable | Allowed dtypes |", "| --- | --- |"]
+    lines += [f"| `{k}` | {', '.join(v)} |" for k, v in manifest["type_constraints"].items()]
+    lines += ["", "## Variants", ""] + [f"- `{v['name']}` ({', '.join(v['templates'])}): {v['use']}"
+                                        for v in variants]
+    lines += ["", "## Use", "", "```js", 'import { loadKernel } from "./deltarule-kernels.js";',
+              f'const kernel = await loadKernel("cards/{manifest["id"]}");',
+              "const outputs = await kernel({ /* bind key: { data, shape } */ });", "```", "",
+              "Generated by `deltarule card export`; see deltarule's docs/web.md.", ""]
+    return "\n".join(lines)

@@ -1,0 +1,173 @@
+// Shared host code of deltarule's kernel cards: the recurrent shader's specialization,
+// its sequence table and dispatch plan (the JavaScript twin of
+// deltarule/kernels/wgsl/recurrent.py), float16 / bfloat16 narrowing, errors.
+//
+// A host program turns a validated call into a plan the loader executes:
+//   { outputs: { bind: { dtype, shape, alias?, copy?, zero? } },  // alias: that input's buffer (in
+//                                                              // place); copy: starts as a copy of
+//                                                              // that input; zero: starts as zeros
+//     buffers: { name: { bytes, copy?: bind } },             // float32 scratch, zero or copied
+//     passes: [ { template, spec, grid, bindings: { slot: ref } } ] }
+// with ref one of { input: bind }, { output: bind }, { buffer: name },
+// { uniform: ArrayBuffer }, { storage: TypedArray } (read-only data made on the host).
+
+export class ContractError extends Error {
+  // the argument (bind key or attribute), what was expected, what was given
+  constructor(argument, expected, actual) {
+    super(`${argument}: expected ${expected}, got ${actual}`);
+    this.name = "ContractError";
+    this.argument = argument;
+    this.expected = expected;
+    this.actual = actual;
+  }
+}
+
+export const SHADER_DTYPES = { float32: "f32", float16: "f16", bfloat16: "bf16" };
+export const BYTES = { float32: 4, float16: 2, bfloat16: 2, int32: 4 };
+export const NO_ROW = 0xffffffff;
+// lavapipe ends any shader loop after 65535 iterations: longer sequences run in segments
+export const SEGMENT = 32768;
+const MAX_WORKGROUP = 256;
+const KEYS_PER_INVOCATION = 16;
+
+export const numel = (shape) => shape.reduce((a, b) => a * b, 1);
+export const same = (a, b) => a.length === b.length && a.every((x, i) => x === b[i]);
+export const show = (shape) => `[${shape.join(", ")}]`;
+
+// (KS, BV): key slices per value column, value columns per workgroup (recurrent.py's tiling)
+export function tiling(K, V, G, retrieves, l2norm, workgroupBytes) {
+  const log2ceil = (x) => Math.ceil(Math.log2(x));
+  const KS = Math.min(8, 1 << Math.max(0, log2ceil(Math.ceil(K / KEYS_PER_INVOCATION))));
+  let BV = Math.min(32, 1 << log2ceil(V), MAX_WORKGROUP / KS);
+  const [NR, NS] = sums(G, retrieves, l2norm);
+  while (BV > 1 && 4 * 2 * (NR * KS * BV + NS * KS) > workgroupBytes) BV /= 2;
+  return [KS, BV];
+}
+
+function sums(G, retrieves, l2norm) {
+  return [G + (retrieves ? 1 : 0), G + (l2norm ? 1 + G : 0)];
+}
+
+// The recurrent shader's specialization (recurrent.py's `specialization`).
+// p: { K, V, G, Hq, Hk, Hv, layout, dtypes: { qkv, g, gk, b, w }, retrieves, bPerKey, rawGate,
+//      sigmoid, l2norm, owners, speculative }
+export function recurrentSpec(p, limits) {
+  const [KS, BV] = tiling(p.K, p.V, p.G, p.retrieves, p.l2norm, limits.maxComputeWorkgroupStorageSize);
+  const [NR, NS] = sums(p.G, p.retrieves, p.l2norm);
+  const d = (x) => (x ? SHADER_DTYPES[x] : "");
+  return {
+    K: p.K, V: p.V, KS, KC: Math.ceil(p.K / KS), BV, G: p.G, HQ: p.Hq, HK: p.Hk, HV: p.Hv, NR, NS,
+    layout: p.layout, dt_qkv: d(p.dtypes.qkv),
+    has_g: !!p.dtypes.g, dt_g: d(p.dtypes.g), has_gk: !!p.dtypes.gk, dt_gk: d(p.dtypes.gk),
+    has_b: !!p.dtypes.b, dt_b: d(p.dtypes.b), b_per_key: !!p.bPerKey,
+    has_w: !!p.dtypes.w, dt_w: d(p.dtypes.w), w_per_value: !!p.dtypes.w,
+    raw_gate: p.rawGate || "", sigmoid: !!p.sigmoid, l2norm: !!p.l2norm, has_owner: !!p.owners,
+    speculative: !!p.speculative,
+  };
+}
+
+// Output owners: the live sequence that writes each token (later sequences win where clamped
+// spans overlap), as positions among the live sequences; NO_ROW for none. Null when no two
+// live spans overlap (the shader then writes every token it runs).
+export function owners(spans, B, T) {
+  const busy = spans.filter((s) => s.live && s.end > s.start)
+    .map((s) => [s.row * T + s.start, s.row * T + s.end]).sort((a, b) => a[0] - b[0]);
+  if (!busy.some((x, i) => i > 0 && x[0] < busy[i - 1][1])) return null;
+  const owner = new Uint32Array(B * T).fill(NO_ROW);
+  let position = 0;
+  for (const s of spans) {
+    if (!s.live) continue;
+    owner.fill(position, s.row * T + s.start, s.row * T + s.end);
+    position += 1;
+  }
+  return owner;
+}
+
+// Every token owned by a live sequence (else the zero-initialized output keeps zeros there).
+export function covered(spans, B, T) {
+  const seen = new Uint8Array(B * T);
+  for (const s of spans) if (s.live) seen.fill(1, s.row * T + s.start, s.row * T + s.end);
+  return seen.every((x) => x === 1);
+}
+
+// The passes of one recurrence over the live spans: spans [{ row, start, end, read, live }],
+// rows: the state buffer row of each live span; tokenRows: speculative per-token rows
+// (Uint32Array [live, L]) or null; gates: { aLog, dtBias } float32 arrays for the raw-gate arm.
+export function recurrentPasses(p, spans, rows, tokenRows, gates, bindings, limits) {
+  const live = spans.filter((s) => s.live);
+  if (!live.length || !(p.B * p.T)) return [];
+  const owner = owners(spans, p.B, p.T);
+  const spec = recurrentSpec({ ...p, owners: owner !== null, speculative: tokenRows !== null }, limits);
+  const grid = [Math.ceil(p.V / spec.BV), p.Hv, live.length];
+  if (live.length > limits.maxComputeWorkgroupsPerDimension) {
+    throw new ContractError("sequences", `at most ${limits.maxComputeWorkgroupsPerDimension} live ` +
+      "sequences (the adapter's workgroups per dimension)", live.length);
+  }
+  const maxLen = Math.max(1, ...live.map((s) => s.end - s.start));
+  const passes = [];
+  for (let skip = 0; skip < maxLen; skip += SEGMENT) {
+    const parts = [];
+    const seqs = new Uint32Array(4 * live.length);
+    live.forEach((s, i) => {
+      seqs[4 * i] = s.row * p.T + s.start + skip;
+      seqs[4 * i + 1] = Math.min(Math.max(s.end - s.start - skip, 0), SEGMENT);
+      seqs[4 * i + 2] = rows[i];
+    });
+    parts.push(seqs);
+    let size = seqs.length;
+    let ownerOffset = 0, aLogOffset = 0, biasOffset = 0;
+    if (tokenRows !== null) {
+      const L = tokenRows.length / live.length;
+      live.forEach((_, i) => { seqs[4 * i + 3] = size + i * L; });
+      parts.push(tokenRows);
+      size += tokenRows.length;
+    }
+    if (owner !== null) {
+      ownerOffset = size;
+      parts.push(owner);
+      size += owner.length;
+    }
+    if (gates) {
+      aLogOffset = size;
+      parts.push(new Uint32Array(Float32Array.from(gates.aLog).buffer));
+      size += gates.aLog.length;
+      biasOffset = size;
+      parts.push(new Uint32Array(Float32Array.from(gates.dtBias).buffer));
+      size += gates.dtBias.length;
+    }
+    const table = new Uint32Array(size);
+    let at = 0;
+    for (const x of parts) { table.set(x, at); at += x.length; }
+    const params = new ArrayBuffer(32);
+    new Uint32Array(params, 0, 4).set([p.B * p.T, ownerOffset, aLogOffset, biasOffset]);
+    new Float32Array(params, 16, 2).set([p.scale, p.eps]);
+    passes.push({ template: "recurrent.wgsl.jinja", spec, grid,
+      bindings: { 0: { uniform: params }, 1: { storage: table }, ...bindings } });
+  }
+  return passes;
+}
+
+// A float32 buffer narrowed into a 16-bit output (two elements per invocation).
+export function narrowPass(dtype, count, from, to, limits) {
+  const groups = Math.ceil(Math.ceil(count / 2) / 256);
+  const nx = Math.max(1, Math.min(groups, limits.maxComputeWorkgroupsPerDimension));
+  const params = new ArrayBuffer(16);
+  new Uint32Array(params).set([count, nx * 256]);
+  return { template: "narrow.wgsl.jinja", spec: { dtype: SHADER_DTYPES[dtype] },
+    grid: [nx, Math.max(1, Math.ceil(groups / nx)), 1],
+    bindings: { 0: { uniform: params }, 1: from, 2: to } };
+}
+
+// Where a shader writes a float32 result for output `bind` of `dtype`: the output itself
+// (float32), or a scratch buffer narrowed into it afterwards.
+export function resultTarget(bind, dtype, count, plan, limits) {
+  if (dtype === "float32") return { output: bind };
+  const name = `${bind}:float32`;
+  plan.buffers[name] = { bytes: 4 * count };
+  plan.finish.push(narrowPass(dtype, count, { buffer: name }, { output: bind }, limits));
+  return { buffer: name };
+}
+
+export function finite(x) {
+  return Number.isFinite(x) && Math.abs(x) <= 3.4028234663852886e38;
+}
