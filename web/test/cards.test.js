@@ -43,6 +43,20 @@ for (const id of CARDS) {
   });
 }
 
+test("node/dawn: com.microsoft.GatedDeltaNet test.json with WebGPU's default limits (8 storage buffers: " +
+  "the final states start as a copy of the initial ones)", { timeout: 600_000 }, async () => {
+  const adapter = await (gpu ??= await nodeGPU()).requestAdapter();
+  const small = await adapter.requestDevice();
+  assert.equal(small.limits.maxStorageBuffersPerShaderStage, 8);
+  const kernel = await loadKernel(path.join(cardsRoot, "com.microsoft.GatedDeltaNet"), { device: small });
+  const failures = [];
+  for (const c of await kernel.tests()) {
+    const r = await runCase(kernel, c);
+    if (!r.ok) failures.push(`${c.name}: ${JSON.stringify(r.errors)}`);
+  }
+  assert.deepEqual(failures, []);
+});
+
 test("chromium: every card's test.json in a page", { timeout: 900_000 }, async (t) => {
   const server = await serve(webRoot);
   try {

@@ -50,7 +50,7 @@ function sums(G, retrieves, l2norm) {
 
 // The recurrent shader's specialization (recurrent.py's `specialization`).
 // p: { K, V, G, Hq, Hk, Hv, layout, dtypes: { qkv, g, gk, b, w }, retrieves, bPerKey, rawGate,
-//      sigmoid, l2norm, owners, speculative }
+//      sigmoid, l2norm, owners, speculative, stateIn }
 export function recurrentSpec(p, limits) {
   const [KS, BV] = tiling(p.K, p.V, p.G, p.retrieves, p.l2norm, limits.maxComputeWorkgroupStorageSize);
   const [NR, NS] = sums(p.G, p.retrieves, p.l2norm);
@@ -62,7 +62,7 @@ export function recurrentSpec(p, limits) {
     has_b: !!p.dtypes.b, dt_b: d(p.dtypes.b), b_per_key: !!p.bPerKey,
     has_w: !!p.dtypes.w, dt_w: d(p.dtypes.w), w_per_value: !!p.dtypes.w,
     raw_gate: p.rawGate || "", sigmoid: !!p.sigmoid, l2norm: !!p.l2norm, has_owner: !!p.owners,
-    speculative: !!p.speculative,
+    speculative: !!p.speculative, state_in: !!p.stateIn,
   };
 }
 

@@ -61,8 +61,6 @@ export function plan({ inputs, attributes, limits }) {
     outputs: { outputT: { dtype, shape: outShape }, finalStateT: { dtype: "float32", shape: stateShape } },
     buffers: {}, passes: [], finish: [],
   };
-  // requests run in place on a copy of the initial states, or on zeros
-  Object.assign(plan.outputs.finalStateT, s0 ? { copy: "initialStateT" } : { zero: true });
   const out = resultTarget("outputT", dtype, numel(outShape), plan, limits);
   const p = {
     B, T: S, K: Dk, V: Dv, G: 1, Hq, Hk: Hq, Hv, layout: "vk",
@@ -75,6 +73,16 @@ export function plan({ inputs, attributes, limits }) {
     6: { input: "valueT" } };
   if (inputs.decayT) bindings[7] = { input: "decayT" };
   if (inputs.betaT) bindings[9] = { input: "betaT" };
+  // Each request reads initialStateT's row and stores finalStateT's: with a storage buffer to
+  // spare the shader reads initialStateT itself (no copy, as a decode loop wants), else the
+  // requests run in place on a copy of it (or on zeros without one).
+  const stateIn = !!s0 && 7 + (inputs.decayT ? 1 : 0) + (inputs.betaT ? 1 : 0) <= limits.maxStorageBuffersPerShaderStage;
+  if (stateIn) {
+    bindings[11] = { input: "initialStateT" };
+    p.stateIn = true;
+  } else {
+    Object.assign(plan.outputs.finalStateT, s0 ? { copy: "initialStateT" } : { zero: true });
+  }
   const gates = p.rawGate ? { aLog: inputs.aLogT.data, dtBias: inputs.dtBiasT.data } : null;
   plan.passes = recurrentPasses(p, spans, spans.map((_, n) => n), null, gates, bindings, limits);
   return plan;

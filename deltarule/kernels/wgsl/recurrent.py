@@ -63,7 +63,7 @@ def specialization(p: Problem) -> tuple:
         has_w=p.write is not None, dt_w=dt[p.write.dtype] if p.write is not None else "",
         w_per_value=p.write is not None,
         raw_gate=raw, sigmoid=p.beta_sigmoid, l2norm=p.qk_l2norm, has_owner=p.plan.overlapping(),
-        speculative=p.plan.speculative,
+        speculative=p.plan.speculative, state_in=False,
     )
     return tuple(sorted(spec.items()))
 
