@@ -271,7 +271,24 @@ function upload(device, data, usage = STORAGE()) {
   return buffer;
 }
 
-async function execute(device, pipeline, call, plan, { resident, poison }) {
+// WebGPU reports validation and allocation failures asynchronously: every call runs inside
+// error scopes and raises what they caught (a failed call returns nothing, never stale buffers).
+async function execute(device, pipeline, call, plan, options) {
+  device.pushErrorScope("out-of-memory");
+  device.pushErrorScope("validation");
+  let result, thrown;
+  try {
+    result = await run(device, pipeline, call, plan, options);
+  } catch (e) {
+    thrown = e;
+  }
+  const errors = [await device.popErrorScope(), await device.popErrorScope()].filter(Boolean);
+  if (thrown) throw thrown;
+  if (errors.length) throw new Error(`WebGPU: ${errors.map((e) => e.message).join("; ")}`);
+  return result;
+}
+
+async function run(device, pipeline, call, plan, { resident, poison }) {
   const made = [];                       // buffers of this call only, destroyed at the end
   const own = (b) => { made.push(b); return b; };
   // the inputs a pass binds or an output starts from go to the device (host-only ones stay)
