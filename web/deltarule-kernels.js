@@ -439,10 +439,10 @@ export function relativeError(out, expected) {
 }
 
 // Run one test.json case: { name, ok, errors: { bind: relative error }, tolerance }
-export async function runCase(kernel, testCase, { poison = true } = {}) {
+export async function runCase(kernel, testCase, { poison = true, variant = "auto" } = {}) {
   const inputs = Object.fromEntries(Object.entries(testCase.inputs).map(([b, t]) => [b, decodeTensor(t)]));
   const out = await kernel(inputs, { attributes: testCase.attributes, outputs: testCase.outputs,
-    poison: poison && testCase.poison });
+    poison: poison && testCase.poison, variant });
   const errors = {};
   let ok = true;
   for (const [bind, t] of Object.entries(testCase.expected)) {

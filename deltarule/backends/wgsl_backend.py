@@ -1,8 +1,10 @@
 """The `wgsl` backend: WGSL compute shaders on any WebGPU adapter, through wgpu-py.
 
 Inputs are torch tensors (any device) copied to the WebGPU device in their
-own dtype; the fused recurrence (`deltarule/kernels/wgsl/`) applies the
-raw-gate arm, beta_sigmoid and the L2 norm in the shader. The state runs in
+own dtype; the shaders (`deltarule/kernels/wgsl/`: the fused recurrence, and
+the chunked prefill for calls with a sequence of at least
+`chunked.MIN_TOKENS` tokens) apply the raw-gate arm, beta_sigmoid and the
+L2 norm themselves. The state runs in
 place in one float32 device buffer: a copy of `initial_state` (or zeros), the
 gathered read rows of a torch slab (plus one row per per-token store of a
 speculative plan), or a `WgslStateSlab` that never leaves the device. 16-bit
@@ -26,7 +28,9 @@ SUPPORTS = dict(
            "float32 state in the shader (bfloat16 / float16 torch states converted on the host)",
     devices="any WebGPU adapter (Vulkan, Metal, D3D12; lavapipe on CPU); torch tensors on any device "
             "are copied to it, a WgslStateSlab stays there",
-    note="prefill runs the fused recurrence (no chunked form yet); speculative plans up to "
+    note="prefill: chunked (WY) passes for calls with a sequence of >= 128 tokens "
+         "(kernels/wgsl/chunked.py, MIN_TOKENS; chunk_size rounded up to a power of two in [16, 64]), "
+         "the fused recurrence for shorter calls, decode and speculative plans; speculative plans up to "
          "32768 tokens per sequence; not in auto's order",
     gradients="none (inputs that require grad are declined)",
 )
@@ -81,6 +85,15 @@ def _buffer_rows(p: Problem) -> int:
     return p.N
 
 
+def _prefill(p: Problem, state, rows: list[int]) -> torch.Tensor:
+    """The chunked form where it wins (long sequences, `chunked.wins`), else the recurrence."""
+    from ..kernels.wgsl import chunked, recurrence
+
+    if chunked.wins(p):
+        return chunked.chunked(p, state, rows)
+    return recurrence(p, state, rows)
+
+
 def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     from ..kernels.wgsl import WgslStateSlab, _device, recurrence
     from ..kernels.wgsl.recurrent import NO_ROW
@@ -91,8 +104,10 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         # with per-token stores, a sequence without tokens stores nothing and reads no row (in the
         # same dispatch another sequence may store into the row it names)
         reads = [s.read if s.length or not plan.speculative else NO_ROW for s in (p.spans[n] for n in live)]
-        token_rows = plan.token_rows[live] if plan.speculative else None
-        o = recurrence(p, init.buffer, reads, token_rows)
+        if plan.speculative:
+            o = recurrence(p, init.buffer, reads, plan.token_rows[live])
+        else:
+            o = _prefill(p, init.buffer, reads)
         return _finish(p, o), init
     tail = (p.Hv, p.K, p.V) if p.state_layout == "kv" else (p.Hv, p.V, p.K)
     rows = _buffer_rows(p)
@@ -109,11 +124,12 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
             sequences, tokens, _ = plan.token_writes()
             for j, (n, t) in enumerate(zip(sequences.tolist(), tokens.tolist())):
                 token_rows[where[n], t] = len(live) + j
-        o = recurrence(p, state, list(range(len(live))), token_rows)
+        o = (recurrence(p, state, list(range(len(live))), token_rows) if plan.speculative
+             else _prefill(p, state, list(range(len(live)))))
     else:
         upload = init.to(torch.float32) if init is not None else None
         state = _device.upload(upload) if upload is not None else _device.zeros(p.N * _numel(tail) * 4)
-        o = recurrence(p, state, [p.spans[n].read for n in live])
+        o = _prefill(p, state, [p.spans[n].read for n in live])
     nbytes = rows * _numel(tail) * 4
     final = (torch.frombuffer(bytearray(_device.download(state, nbytes)), dtype=torch.float32)
              if nbytes else torch.zeros(0)).view(rows, *tail).to(p.device)

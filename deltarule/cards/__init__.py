@@ -37,6 +37,10 @@ _WGSL = resources.files("deltarule.kernels.wgsl")
 _RECURRENT = {"name": "recurrent", "templates": ["recurrent.wgsl.jinja"],
               "use": "decode, speculative verify and short sequences: one workgroup per (value tile, head, "
                      "sequence), the state tile in registers"}
+_CHUNKED = {"name": "chunked", "templates": ["chunked_intra.wgsl.jinja", "chunked_state.wgsl.jinja"],
+            "use": "prefill (chosen by \"auto\" for sequences of 128 tokens or more; not for speculative rows): "
+                   "the WY / UT chunked form, per chunk the state-free part, then the chunks of each "
+                   "sequence in order with the state tile in workgroup memory"}
 _HELPERS = ["_common.wgsl.jinja", "narrow.wgsl.jinja"]
 _JS = resources.files(__package__).joinpath("js")
 
@@ -44,7 +48,7 @@ _JS = resources.files(__package__).joinpath("js")
 CARDS = {
     "com.microsoft.GatedDeltaNet": (
         manifests.GATED_DELTA_NET, "gated_delta_net.js",
-        [_RECURRENT],
+        [_RECURRENT, _CHUNKED],
         cases.gated_delta_net_tests),
     "com.microsoft.LinearAttentionGate": (
         manifests.LINEAR_ATTENTION_GATE, "linear_attention_gate.js",
@@ -52,7 +56,7 @@ CARDS = {
         cases.linear_attention_gate_tests),
     "deltarule.LinearAttention": (
         manifests.LINEAR_ATTENTION, "linear_attention.js",
-        [_RECURRENT],
+        [_RECURRENT, _CHUNKED],
         cases.linear_attention_tests),
 }
 _SHARED_JS = ("common.js",)

@@ -43,6 +43,29 @@ for (const id of CARDS) {
   });
 }
 
+// "auto" takes the chunked form only for sequences of 256 tokens or more: here every case runs it
+for (const id of ["com.microsoft.GatedDeltaNet", "deltarule.LinearAttention"]) {
+  test(`node/dawn: ${id} test.json, variant chunked`, { timeout: 900_000 }, async (t) => {
+    const kernel = await load(id);
+    const failures = [], declined = [];
+    let ran = 0;
+    for (const c of await kernel.tests()) {
+      try {
+        const r = await runCase(kernel, c, { variant: "chunked" });
+        ran += 1;
+        if (!r.ok) failures.push(`${c.name}: ${JSON.stringify(r.errors)} > ${JSON.stringify(r.tolerance)}`);
+      } catch (e) {
+        if (e.name !== "ContractError" || e.argument !== "variant") throw e;
+        declined.push(c.name);
+      }
+    }
+    t.diagnostic(`${ran} cases chunked; declined (speculative rows, no tokens): ${declined.join(" ")}`);
+    assert.deepEqual(failures, []);
+    assert.ok(declined.every((n) => /^spec-|-T0-/.test(n)), declined.join(" "));
+    assert.ok(ran >= 16);
+  });
+}
+
 test("node/dawn: com.microsoft.GatedDeltaNet test.json with WebGPU's default limits (8 storage buffers: " +
   "the final states start as a copy of the initial ones)", { timeout: 600_000 }, async () => {
   const adapter = await (gpu ??= await nodeGPU()).requestAdapter();

@@ -171,3 +171,127 @@ export function resultTarget(bind, dtype, count, plan, limits) {
 export function finite(x) {
   return Number.isFinite(x) && Math.abs(x) <= 3.4028234663852886e38;
 }
+
+// ---- the chunked prefill (deltarule/kernels/wgsl/chunked.py's twin) -----------------------------
+// Two passes per segment: chunked_intra (per chunk slot and head: the state-free WY / UT part
+// into a float32 scratch) and chunked_state (per value tile, head and sequence: the chunks in
+// order, the state in place). "auto" takes it where a sequence has at least CHUNKED_MIN_TOKENS
+// tokens (the Python backend's threshold, measured on lavapipe: docs/wgsl.md).
+const MIN_CHUNK = 16, MAX_CHUNK = 64, INTRA_WORKGROUP = 256, UNROLL = 4, LOOP_BUDGET = 60000;
+const SCRATCH_BYTES = 64 << 20;
+export const CHUNKED_MIN_TOKENS = 128;
+
+const padTo = (x, m) => Math.ceil(x / m) * m;
+
+// both passes' workgroup memory: pass 1's A by columns, per-row norms and gates; pass 2's U and
+// Q^ S columns of BV values
+function fits(C, G, BV, workgroupBytes) {
+  const CQ = C / 4;
+  const intra = C * C - 8 * CQ * (CQ - 1) + C * (G + 4);
+  return 4 * Math.max(intra, BV * C * (1 + G)) <= workgroupBytes;
+}
+
+function chunkLength(chunkSize, G, workgroupBytes) {
+  let C = Math.min(MAX_CHUNK, Math.max(MIN_CHUNK, 1 << Math.max(0, Math.ceil(Math.log2(Math.max(chunkSize, 1))))));
+  while (C > MIN_CHUNK && !fits(C, G, 4, workgroupBytes)) C /= 2;
+  return C;
+}
+
+function chunkedTiling(p, workgroupBytes) {
+  const C = chunkLength(p.chunkSize, p.G, workgroupBytes);
+  let BV = Math.max(4, Math.min(32, 1 << Math.ceil(Math.log2(p.V))));
+  while (BV > 4 && 4 * BV * C * (1 + p.G) > workgroupBytes) BV /= 2;
+  return { C, KP: padTo(p.K, UNROLL), VP: padTo(p.V, BV), BV };
+}
+
+function blockFloats(C, KP, VP, G, perKey) {
+  return C * VP + 3 * C * KP + G * C * KP + G * C * C + KP + (perKey ? 2 * C * KP : 0);
+}
+
+// chunks per sequence per segment; 0: the call does not fit (use the recurrence)
+function segmentChunks(p, live, limits) {
+  const t = chunkedTiling(p, limits.maxComputeWorkgroupStorageSize);
+  const perSeq = Math.floor(LOOP_BUDGET / (3 * t.C + 1));
+  const block = 4 * p.Hv * blockFloats(t.C, t.KP, t.VP, p.G, !!p.dtypes.gk);
+  const slots = Math.min(Math.floor(Math.min(SCRATCH_BYTES, limits.maxStorageBufferBindingSize) / block),
+    limits.maxComputeWorkgroupsPerDimension);
+  return Math.min(perSeq, Math.floor(slots / Math.max(live, 1)));
+}
+
+// Why the chunked form cannot run this call (null: it can). p.bindings: pass 1's storage buffers.
+export function chunkedRefusal(p, spans, speculative, limits) {
+  if (speculative) return "speculative plans run token by token";
+  const live = spans.filter((s) => s.live).length;
+  if (5 + ["g", "gk", "b", "w"].filter((x) => p.dtypes[x]).length > limits.maxStorageBuffersPerShaderStage) {
+    return "more storage buffers than the device allows";
+  }
+  if (!(p.B * p.T)) return "no tokens";
+  const t = chunkedTiling(p, limits.maxComputeWorkgroupStorageSize);
+  if (!fits(t.C, p.G, t.BV, limits.maxComputeWorkgroupStorageSize)) return "a query group too large for workgroup memory";
+  if (segmentChunks(p, live, limits) < 1) return "the scratch of one chunk per sequence does not fit";
+  return null;
+}
+
+export function chunkedWins(p, spans) {
+  return Math.max(0, ...spans.filter((s) => s.live).map((s) => s.end - s.start)) >= CHUNKED_MIN_TOKENS;
+}
+
+// The passes of the chunked form; inputs: { 4: q, 5: k, 6: v, 7: g, 8: gk, 9: b, 10: w } refs,
+// state and out refs, the scratch added to plan.buffers.
+export function chunkedPasses(p, spans, rows, gates, inputs, state, out, plan, limits) {
+  const live = spans.filter((s) => s.live);
+  if (!live.length) return [];
+  const t = chunkedTiling(p, limits.maxComputeWorkgroupStorageSize);
+  const d = (x) => (x ? SHADER_DTYPES[x] : "");
+  const common = { K: p.K, V: p.V, KP: t.KP, VP: t.VP, C: t.C, G: p.G, HV: p.Hv, retrieves: !!p.retrieves,
+    per_key: !!p.dtypes.gk, decays: !!(p.dtypes.g || p.dtypes.gk) };
+  const intra = { ...common, HQ: p.Hq, HK: p.Hk, WG: INTRA_WORKGROUP, dt_qkv: d(p.dtypes.qkv),
+    has_g: !!p.dtypes.g, dt_g: d(p.dtypes.g), has_gk: !!p.dtypes.gk, dt_gk: d(p.dtypes.gk),
+    has_b: !!p.dtypes.b, dt_b: d(p.dtypes.b), b_per_key: !!p.bPerKey, has_w: !!p.dtypes.w, dt_w: d(p.dtypes.w),
+    raw_gate: p.rawGate || "", sigmoid: !!p.sigmoid, l2norm: !!p.l2norm };
+  const owner = owners(spans, p.B, p.T);
+  const stateSpec = { ...common, BV: t.BV, layout: p.layout, has_owner: owner !== null };
+  const perSeq = segmentChunks(p, live.length, limits);
+  const segTokens = perSeq * t.C;
+  const block = blockFloats(t.C, t.KP, t.VP, p.G, !!p.dtypes.gk);
+  const maxLen = Math.max(1, ...live.map((s) => s.end - s.start));
+  const passes = [];
+  let slotsMax = 1;
+  for (let skip = 0; skip < maxLen; skip += segTokens) {
+    const seqs = new Uint32Array(4 * live.length);
+    const chunks = [];
+    live.forEach((s, i) => {
+      const length = Math.min(Math.max(s.end - s.start - skip, 0), segTokens);
+      const first = s.row * p.T + s.start + skip;
+      const count = Math.ceil(length / t.C);
+      seqs.set([chunks.length / 2, count, rows[i], 0], 4 * i);
+      for (let c = 0; c < count; c++) chunks.push(first + c * t.C, Math.min(t.C, length - c * t.C));
+    });
+    const parts = [seqs, Uint32Array.from(chunks)];
+    const chunkOffset = seqs.length;
+    let size = seqs.length + chunks.length, ownerOffset = 0, aLogOffset = 0, biasOffset = 0;
+    if (owner !== null) { ownerOffset = size; parts.push(owner); size += owner.length; }
+    if (gates) {
+      aLogOffset = size;
+      parts.push(new Uint32Array(Float32Array.from(gates.aLog).buffer));
+      size += gates.aLog.length;
+      biasOffset = size;
+      parts.push(new Uint32Array(Float32Array.from(gates.dtBias).buffer));
+      size += gates.dtBias.length;
+    }
+    const table = new Uint32Array(size);
+    let at = 0;
+    for (const x of parts) { table.set(x, at); at += x.length; }
+    const params = new ArrayBuffer(32);
+    new Uint32Array(params, 0, 5).set([p.B * p.T, chunkOffset, ownerOffset, aLogOffset, biasOffset]);
+    new Float32Array(params, 20, 3).set([1.0, p.scale, p.eps]);
+    const slots = chunks.length / 2;
+    slotsMax = Math.max(slotsMax, slots);
+    const head = { 0: { uniform: params }, 1: { storage: table }, 2: { buffer: "chunked:scratch" } };
+    if (slots) passes.push({ template: "chunked_intra.wgsl.jinja", spec: intra, grid: [slots, p.Hv, 1], bindings: { ...head, ...inputs } });
+    passes.push({ template: "chunked_state.wgsl.jinja", spec: stateSpec, grid: [t.VP / t.BV, p.Hv, live.length],
+      bindings: { ...head, 3: state, 4: out } });
+  }
+  plan.buffers["chunked:scratch"] = { bytes: padTo(4 * block * p.Hv * slotsMax, 16) };
+  return passes;
+}

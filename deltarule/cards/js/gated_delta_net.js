@@ -2,9 +2,11 @@
 // The loader has checked presence, dtypes and ranks against manifest.json; this checks the
 // shapes (errors name the bind key) and plans the passes. Semantics: deltarule's ONNX Runtime
 // adapter (deltarule/contracts/ort.py, gated_delta_net) on the "vk" state layout.
-import { ContractError, finite, numel, recurrentPasses, resultTarget, same, show } from "./common.js";
+import {
+  chunkedPasses, chunkedRefusal, chunkedWins, ContractError, finite, numel, recurrentPasses, resultTarget, same, show,
+} from "./common.js";
 
-export function plan({ inputs, attributes, limits }) {
+export function plan({ inputs, attributes, variant, limits }) {
   const q = inputs.queryT, k = inputs.keyT, v = inputs.valueT;
   const a = attributes;
   const lead = q.shape.slice(0, -2);
@@ -67,23 +69,33 @@ export function plan({ inputs, attributes, limits }) {
     dtypes: { qkv: dtype, g: inputs.decayT ? "float32" : null, b: inputs.betaT ? "float32" : null },
     retrieves: !!inputs.betaT, rawGate: a.gate_activation === "qwen" ? "g" : "",
     sigmoid: a.beta_activation === "sigmoid" && !!inputs.betaT, l2norm: a.qk_l2_norm !== 0,
-    scale: a.scale === 0 ? 1 / Math.sqrt(Dk) : a.scale, eps: 1e-12,
+    scale: a.scale === 0 ? 1 / Math.sqrt(Dk) : a.scale, eps: 1e-12, chunkSize: Math.max(1, a.chunk_size),
   };
   const bindings = { 2: { output: "finalStateT" }, 3: out, 4: { input: "queryT" }, 5: { input: "keyT" },
     6: { input: "valueT" } };
   if (inputs.decayT) bindings[7] = { input: "decayT" };
   if (inputs.betaT) bindings[9] = { input: "betaT" };
-  // Each request reads initialStateT's row and stores finalStateT's: with a storage buffer to
-  // spare the shader reads initialStateT itself (no copy, as a decode loop wants), else the
-  // requests run in place on a copy of it (or on zeros without one).
-  const stateIn = !!s0 && 7 + (inputs.decayT ? 1 : 0) + (inputs.betaT ? 1 : 0) <= limits.maxStorageBuffersPerShaderStage;
+  const gates = p.rawGate ? { aLog: inputs.aLogT.data, dtBias: inputs.dtBiasT.data } : null;
+  const rows = spans.map((_, n) => n);
+  // the chunked form for prefill (a request of CHUNKED_MIN_TOKENS or more), the recurrence else
+  const refusal = chunkedRefusal(p, spans, false, limits);
+  if (variant === "chunked" && refusal) throw new ContractError("variant", "a call the chunked form runs", `chunked (${refusal})`);
+  const chunked = variant === "chunked" || (variant === "auto" && !refusal && chunkedWins(p, spans));
+  // Each request reads initialStateT's row and stores finalStateT's. The recurrence, with a
+  // storage buffer to spare, reads initialStateT itself (no copy, as a decode loop wants); else
+  // the requests run in place on a copy of it (or on zeros without one).
+  const stateIn = !chunked && !!s0 && 7 + (inputs.decayT ? 1 : 0) + (inputs.betaT ? 1 : 0) <= limits.maxStorageBuffersPerShaderStage;
   if (stateIn) {
     bindings[11] = { input: "initialStateT" };
     p.stateIn = true;
   } else {
     Object.assign(plan.outputs.finalStateT, s0 ? { copy: "initialStateT" } : { zero: true });
   }
-  const gates = p.rawGate ? { aLog: inputs.aLogT.data, dtBias: inputs.dtBiasT.data } : null;
-  plan.passes = recurrentPasses(p, spans, spans.map((_, n) => n), null, gates, bindings, limits);
+  if (chunked) {
+    const { 2: state, 3: output, ...operands } = bindings;
+    plan.passes = chunkedPasses(p, spans, rows, gates, operands, state, output, plan, limits);
+  } else {
+    plan.passes = recurrentPasses(p, spans, rows, null, gates, bindings, limits);
+  }
   return plan;
 }

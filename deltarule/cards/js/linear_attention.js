@@ -1,12 +1,15 @@
 // Host program of deltarule.LinearAttention: deltarule's validation (deltarule/api.py) and batch
 // plan (deltarule/batch.py) in JavaScript, then the recurrent dispatch. The loader has checked
 // presence, dtypes and ranks; errors here name the bind key.
-import { ContractError, finite, NO_ROW, numel, recurrentPasses, resultTarget, same, show } from "./common.js";
+import {
+  chunkedPasses, chunkedRefusal, chunkedWins, ContractError, finite, NO_ROW, numel, recurrentPasses, resultTarget, same,
+  show,
+} from "./common.js";
 
 const GATED = ["gated", "gated_delta"];
 const DELTA = ["delta", "gated_delta"];
 
-export function plan({ inputs, attributes, limits }) {
+export function plan({ inputs, attributes, variant, limits }) {
   const a = attributes;
   const { qT: q, kT: k, vT: v } = inputs;
   const [B, T, Hq, K] = q.shape;
@@ -85,7 +88,7 @@ export function plan({ inputs, attributes, limits }) {
     dtypes: { qkv: dtype, g: gd("gT"), gk: gd("gkT"), b: b && inputs[b].dtype, w: gd("writeT") },
     retrieves: DELTA.includes(a.rule), bPerKey: b === "eraseT",
     rawGate: inputs.aLogT ? (inputs.gT ? "g" : "gk") : "", sigmoid: !!a.beta_sigmoid, l2norm: !!a.qk_l2norm,
-    scale: a.scale === 0 ? 1 / Math.sqrt(K) : a.scale, eps: a.l2norm_eps,
+    scale: a.scale === 0 ? 1 / Math.sqrt(K) : a.scale, eps: a.l2norm_eps, chunkSize: a.chunk_size,
   };
   const need = 6 + [inputs.gT, inputs.gkT, b, inputs.writeT].filter(Boolean).length;
   if (need > limits.maxStorageBuffersPerShaderStage) {
@@ -93,7 +96,15 @@ export function plan({ inputs, attributes, limits }) {
       "stage (the device's limit)", `${need} for these gates`);
   }
   const gates = p.rawGate ? { aLog: inputs.aLogT.data, dtBias: inputs.dtBiasT.data } : null;
-  plan.passes = recurrentPasses(p, spans, rows, perToken, gates, bindings, limits);
+  // the chunked form for prefill (a sequence of CHUNKED_MIN_TOKENS or more), the recurrence else
+  const refusal = chunkedRefusal(p, spans, perToken !== null, limits);
+  if (variant === "chunked" && refusal) throw new ContractError("variant", "a call the chunked form runs", `chunked (${refusal})`);
+  if (variant === "chunked" || (variant === "auto" && !refusal && chunkedWins(p, spans))) {
+    const { 2: state, 3: out, ...operands } = bindings;
+    plan.passes = chunkedPasses(p, spans, rows, gates, operands, state, out, plan, limits);
+  } else {
+    plan.passes = recurrentPasses(p, spans, rows, perToken, gates, bindings, limits);
+  }
   return plan;
 }
 

@@ -1,4 +1,5 @@
-"""WGSL compute shaders through WebGPU (wgpu-py): the recurrence and the fused gate.
+"""WGSL compute shaders through WebGPU (wgpu-py): the recurrence, the chunked prefill
+(`chunked`) and the fused gate.
 
 Templates (`*.wgsl.jinja`) are specialized per head size, head grouping,
 state layout, input dtypes and flags, compiled once per specialization and
