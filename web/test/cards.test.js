@@ -43,8 +43,9 @@ for (const id of CARDS) {
   });
 }
 
-// "auto" takes the chunked form only for sequences of 256 tokens or more: here every case runs it
-for (const id of ["com.microsoft.GatedDeltaNet", "deltarule.LinearAttention"]) {
+// "auto" takes the chunked form only for sequences of 128 tokens or more: here every case of
+// deltarule's card runs it (the GatedDeltaNet card's long cases take it under "auto")
+for (const id of ["deltarule.LinearAttention"]) {
   test(`node/dawn: ${id} test.json, variant chunked`, { timeout: 900_000 }, async (t) => {
     const kernel = await load(id);
     const failures = [], declined = [];
@@ -62,7 +63,7 @@ for (const id of ["com.microsoft.GatedDeltaNet", "deltarule.LinearAttention"]) {
     t.diagnostic(`${ran} cases chunked; declined (speculative rows, no tokens): ${declined.join(" ")}`);
     assert.deepEqual(failures, []);
     assert.ok(declined.every((n) => /^spec-|-T0-/.test(n)), declined.join(" "));
-    assert.ok(ran >= 16);
+    assert.ok(ran >= 80);
   });
 }
 
