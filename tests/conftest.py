@@ -145,6 +145,17 @@ def uninitialised_memory_is_nan():
 
 
 @pytest.fixture
+def nan_output(monkeypatch):
+    """The wgsl shaders' output buffer starts as NaN: an element a shader skips shows up (dense
+    calls only: tokens no sequence owns stay as the buffer was, zero in production)."""
+    from deltarule.kernels.wgsl import _device, recurrent
+
+    def nan_buffer(nbytes):
+        return _device.upload(np.full(max(nbytes // 4, 1), np.nan, dtype=np.float32))
+    monkeypatch.setattr(recurrent, "_output_buffer", nan_buffer)
+
+
+@pytest.fixture
 def nan_poison():
     """Uninitialised torch memory reads as NaN: an unwritten output element shows up."""
     with uninitialised_memory_is_nan():

@@ -24,7 +24,6 @@ _REASON = _device.unavailable_reason()
 if _REASON is not None:
     pytest.skip(f"no WebGPU device for the wgsl backend: {_REASON}", allow_module_level=True)
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import deltarule  # noqa: E402
@@ -45,14 +44,6 @@ def small(**over) -> dict:
     case = dict(name="small", seed=200, B=2, T=5, Hq=2, Hk=2, Hv=2, K=16, V=24, rule="gated_delta")
     case.update(over)
     return case
-
-
-@pytest.fixture
-def nan_output(monkeypatch):
-    """The kernel's output buffer starts as NaN: an element the shader skips shows up."""
-    def nan_buffer(nbytes):
-        return _device.upload(np.full(max(nbytes // 4, 1), np.nan, dtype=np.float32))
-    monkeypatch.setattr(recurrent, "_output_buffer", nan_buffer)
 
 
 def check(args: dict, tol: float):

@@ -15,13 +15,12 @@ _REASON = _device.unavailable_reason()
 if _REASON is not None:
     pytest.skip(f"no WebGPU device for the wgsl backend: {_REASON}", allow_module_level=True)
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import deltarule  # noqa: E402
 from deltarule import cases  # noqa: E402
 from deltarule.check import expected  # noqa: E402
-from deltarule.kernels.wgsl import WgslStateSlab, chunked, recurrent  # noqa: E402
+from deltarule.kernels.wgsl import WgslStateSlab, chunked  # noqa: E402
 
 pytestmark = pytest.mark.wgsl
 
@@ -47,15 +46,6 @@ def used_chunked(monkeypatch):
     monkeypatch.setattr(chunked, "MIN_TOKENS", 1)
     monkeypatch.setattr(chunked, "chunked", counting)
     return calls
-
-
-@pytest.fixture
-def nan_output(monkeypatch):
-    """The output buffer starts as NaN: an element the shader skips shows up (dense calls only:
-    tokens no sequence owns stay as the buffer was, zero in production)."""
-    def nan_buffer(nbytes):
-        return _device.upload(np.full(max(nbytes // 4, 1), np.nan, dtype=np.float32))
-    monkeypatch.setattr(recurrent, "_output_buffer", nan_buffer)
 
 
 def check(args: dict, tol: float, calls: list, chunk_size: int = 64):

@@ -90,6 +90,23 @@ export function covered(spans, B, T) {
   return seen.every((x) => x === 1);
 }
 
+// One uint32 table of both shaders from its named parts in order, then the owners and the raw
+// gate's A_log / dt_bias bits where present; `at` holds each part's offset (0 when absent).
+function packTable(parts, owner, gates) {
+  const all = { ...parts };
+  if (owner !== null) all.owner = owner;
+  if (gates) {
+    all.aLog = new Uint32Array(Float32Array.from(gates.aLog).buffer);
+    all.dtBias = new Uint32Array(Float32Array.from(gates.dtBias).buffer);
+  }
+  const at = { owner: 0, aLog: 0, dtBias: 0 };
+  let size = 0;
+  for (const [name, x] of Object.entries(all)) { at[name] = size; size += x.length; }
+  const table = new Uint32Array(size);
+  for (const [name, x] of Object.entries(all)) table.set(x, at[name]);
+  return { table, at };
+}
+
 // The passes of one recurrence over the live spans: spans [{ row, start, end, read, live }],
 // rows: the state buffer row of each live span; tokenRows: speculative per-token rows
 // (Uint32Array [live, L]) or null; gates: { aLog, dtBias } float32 arrays for the raw-gate arm.
@@ -106,40 +123,21 @@ export function recurrentPasses(p, spans, rows, tokenRows, gates, bindings, limi
   const maxLen = Math.max(1, ...live.map((s) => s.end - s.start));
   const passes = [];
   for (let skip = 0; skip < maxLen; skip += SEGMENT) {
-    const parts = [];
     const seqs = new Uint32Array(4 * live.length);
     live.forEach((s, i) => {
       seqs[4 * i] = s.row * p.T + s.start + skip;
       seqs[4 * i + 1] = Math.min(Math.max(s.end - s.start - skip, 0), SEGMENT);
       seqs[4 * i + 2] = rows[i];
     });
-    parts.push(seqs);
-    let size = seqs.length;
-    let ownerOffset = 0, aLogOffset = 0, biasOffset = 0;
+    const parts = { seqs };
     if (tokenRows !== null) {
       const L = tokenRows.length / live.length;
-      live.forEach((_, i) => { seqs[4 * i + 3] = size + i * L; });
-      parts.push(tokenRows);
-      size += tokenRows.length;
+      live.forEach((_, i) => { seqs[4 * i + 3] = seqs.length + i * L; });
+      parts.tokenRows = tokenRows;
     }
-    if (owner !== null) {
-      ownerOffset = size;
-      parts.push(owner);
-      size += owner.length;
-    }
-    if (gates) {
-      aLogOffset = size;
-      parts.push(new Uint32Array(Float32Array.from(gates.aLog).buffer));
-      size += gates.aLog.length;
-      biasOffset = size;
-      parts.push(new Uint32Array(Float32Array.from(gates.dtBias).buffer));
-      size += gates.dtBias.length;
-    }
-    const table = new Uint32Array(size);
-    let at = 0;
-    for (const x of parts) { table.set(x, at); at += x.length; }
+    const { table, at } = packTable(parts, owner, gates);
     const params = new ArrayBuffer(32);
-    new Uint32Array(params, 0, 4).set([p.B * p.T, ownerOffset, aLogOffset, biasOffset]);
+    new Uint32Array(params, 0, 4).set([p.B * p.T, at.owner, at.aLog, at.dtBias]);
     new Float32Array(params, 16, 2).set([p.scale, p.eps]);
     passes.push({ template: "recurrent.wgsl.jinja", spec, grid,
       bindings: { 0: { uniform: params }, 1: { storage: table }, ...bindings } });
@@ -267,23 +265,9 @@ export function chunkedPasses(p, spans, rows, gates, inputs, state, out, plan, l
       seqs.set([chunks.length / 2, count, rows[i], 0], 4 * i);
       for (let c = 0; c < count; c++) chunks.push(first + c * t.C, Math.min(t.C, length - c * t.C));
     });
-    const parts = [seqs, Uint32Array.from(chunks)];
-    const chunkOffset = seqs.length;
-    let size = seqs.length + chunks.length, ownerOffset = 0, aLogOffset = 0, biasOffset = 0;
-    if (owner !== null) { ownerOffset = size; parts.push(owner); size += owner.length; }
-    if (gates) {
-      aLogOffset = size;
-      parts.push(new Uint32Array(Float32Array.from(gates.aLog).buffer));
-      size += gates.aLog.length;
-      biasOffset = size;
-      parts.push(new Uint32Array(Float32Array.from(gates.dtBias).buffer));
-      size += gates.dtBias.length;
-    }
-    const table = new Uint32Array(size);
-    let at = 0;
-    for (const x of parts) { table.set(x, at); at += x.length; }
+    const { table, at } = packTable({ seqs, chunks: Uint32Array.from(chunks) }, owner, gates);
     const params = new ArrayBuffer(32);
-    new Uint32Array(params, 0, 5).set([p.B * p.T, chunkOffset, ownerOffset, aLogOffset, biasOffset]);
+    new Uint32Array(params, 0, 5).set([p.B * p.T, at.chunks, at.owner, at.aLog, at.dtBias]);
     new Float32Array(params, 20, 3).set([1.0, p.scale, p.eps]);
     const slots = chunks.length / 2;
     slotsMax = Math.max(slotsMax, slots);
