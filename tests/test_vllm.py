@@ -123,11 +123,16 @@ _SIXTEEN_BIT_RUNS = {}
 
 def sixteen_bit_run(models, tmp_path_factory, family, dtype):
     """One engine run of a 16-bit model on the first round's prompts, shadow-checked (kept:
-    the token test of Kimi Linear reads the same run)."""
+    the token test of Kimi Linear reads the same run). Kimi Linear runs both rounds in 64-token
+    chunks, as the float32 tests do (its MLA layers' chunked-context prefill and prefix cache
+    run on the plugin's torch forms)."""
     if (family, dtype) not in _SIXTEEN_BIT_RUNS:
         shadow = str(tmp_path_factory.mktemp("shadow") / f"{family}-{dtype}.jsonl")
-        result = engine(dict(model=models[family, dtype], dtype=dtype, deltarule=True, prompts=ROUNDS[:1],
-                             max_tokens=NEW_TOKENS), shadow)
+        rounds = dict(prompts=ROUNDS[:1])
+        if family == "kimi_linear":
+            rounds = dict(prompts=ROUNDS, max_num_batched_tokens=64)
+        result = engine(dict(model=models[family, dtype], dtype=dtype, deltarule=True, max_tokens=NEW_TOKENS,
+                             **rounds), shadow)
         _SIXTEEN_BIT_RUNS[family, dtype] = result, shadow_records(shadow)
     return _SIXTEEN_BIT_RUNS[family, dtype]
 
@@ -149,14 +154,17 @@ NEAR_TIE = 0.02          # bfloat16 logits: a gap under 2 % of the largest logit
 
 def test_kimi_linear_bfloat16_tokens_match_transformers(models, tmp_path_factory):
     """Kimi Linear (bfloat16 only on vLLM-CPU: its MLA decode kernel has no float32) generates
-    transformers' float32 greedy tokens, up to a near-tie: at a prompt's first differing token
+    transformers' float32 greedy tokens (both rounds: chunked prefill, prefix cache), up to a
+    near-tie: at a prompt's first differing token
     both tokens lead transformers' float32 logits within NEAR_TIE of the largest (the rest of
     that prompt then continues from another token and is not compared)."""
     result, _ = sixteen_bit_run(models, tmp_path_factory, "kimi_linear", "bfloat16")
+    assert sum(result["cached"][1]) > 0, "round 2 took nothing from the prefix cache: the test lost its point"
     path = models["kimi_linear", "bfloat16"]
-    expected = transformers_tokens(path, ROUNDS[0])
+    prompts = ROUNDS[0] + ROUNDS[1]
+    expected = transformers_tokens(path, prompts)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    for prompt, got, want in zip(ROUNDS[0], result["tokens"][0], expected):
+    for prompt, got, want in zip(prompts, result["tokens"][0] + result["tokens"][1], expected):
         first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
         if first is None:
             continue

