@@ -8,6 +8,7 @@ import pytest
 
 import deltarule.api
 import deltarule.batch
+import deltarule.cards
 import deltarule.contracts.ascend
 import deltarule.contracts.fla
 import deltarule.contracts.slab
@@ -20,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
 
-@pytest.mark.parametrize("module", [deltarule.api, deltarule.batch, deltarule.contracts.ascend,
+@pytest.mark.parametrize("module", [deltarule.api, deltarule.batch, deltarule.cards, deltarule.contracts.ascend,
                                     deltarule.contracts.fla, deltarule.contracts.slab, deltarule.conv, deltarule.distributed,
                                     deltarule.integrations.transformers, deltarule.library],
                          ids=lambda m: m.__name__)

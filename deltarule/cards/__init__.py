@@ -68,7 +68,20 @@ def _templates(variants) -> list[str]:
 
 
 def export(directory: str, only: list[str] | None = None) -> list[str]:
-    """Write one card folder per op under `directory` (replacing what is there); returns their paths."""
+    """Write one card folder per op under `directory` (replacing what is there); returns their paths.
+
+    Args:
+        directory: the parent folder (created if missing); each card's folder is named by its id.
+        only: card ids to write (default: every card of `CARDS`).
+
+    Example:
+        >>> import os, tempfile
+        >>> import deltarule.cards
+        >>> [path] = deltarule.cards.export(tempfile.mkdtemp(), only=["com.microsoft.LinearAttentionGate"])
+        >>> sorted(os.listdir(path))        # doctest: +NORMALIZE_WHITESPACE
+        ['README.md', '_common.wgsl.jinja', 'bench.json', 'common.js', 'gate.wgsl.jinja', 'host.js',
+         'manifest.json', 'metadata.json', 'narrow.wgsl.jinja', 'test.json']
+    """
     written = []
     for card_id, (manifest, host, variants, tests) in CARDS.items():
         if only and card_id not in only:
