@@ -33,6 +33,7 @@ import sys
 
 import torch
 
+from ..contracts.fla import _vector_gate
 from . import vllm as plugin
 
 log = logging.getLogger("deltarule.integrations.vllm")
@@ -137,7 +138,6 @@ def kimi_forward(self, mixed_qkv: torch.Tensor, g1: torch.Tensor, g2: torch.Tens
 
 def _kimi_gates(layer, b, a) -> dict:
     """KDA (`a`: [T, H, D] raw per-key gate, `b`: [T, H] raw beta)."""
-    from ..contracts.fla import _vector_gate
     gk = _vector_gate(a[None], layer.A_log, layer.dt_bias, layer.gate_lower_bound, use_gate_in_kernel=True,
                       fn="chunk_kda")
     return dict(gk, beta=b[None], beta_sigmoid=True)
@@ -263,9 +263,8 @@ def _mla_key_concat_cache_insert(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_ma
     MLA is NoPE): returns the full key [k_nope | k_pe] per head and inserts the latent."""
     if positions is not None or cos_sin_cache is not None:
         raise NotImplementedError("deltarule's CPU form of Kimi's MLA epilogue has no RoPE (Kimi Linear is NoPE)")
-    k_pe = k_pe.reshape(k_pe.shape[0], -1)
-    _mla_cache_insert(kv_cache, slot_mapping, kv_c_normed, k_pe)
-    return torch.cat([k_nope, k_pe[:, None, :].expand(-1, k_nope.shape[1], -1)], dim=-1)
+    _mla_cache_insert(kv_cache, slot_mapping, kv_c_normed, k_pe.reshape(k_pe.shape[0], -1))
+    return _mla_kv_concat(k_nope, k_pe)
 
 
 def _mla_decode_q_concat_cache_insert(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, *, ds_mla=False,
