@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import aliasing
 from .errors import ContractError
 from .kernels import cpu_conv
 
@@ -121,7 +122,7 @@ def plan_conv(lengths: list[int], *, width: int, read_rows: list[int], write_row
 
 def causal_conv1d_slab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
                        plan: ConvPlan, *, activation: str | None = "silu", backend: str = "auto",
-                       splits: tuple[int, ...] | None = None):
+                       splits: tuple[int, ...] | None = None, out: torch.Tensor | None = None):
     """Depthwise causal convolution of packed sequences, reading and updating `conv_state`.
 
     Args:
@@ -137,6 +138,10 @@ def causal_conv1d_slab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         splits: None, or up to 4 channel counts summing to C: return the output split along
             its channels into that many contiguous tensors (a layer's q, k, v: the cpu form
             writes them where they lie).
+        out: None, or a contiguous 1-D tensor of x's dtype and device with at least T * C
+            elements: the outputs are written into its first T * C (the returned tensors are
+            views of it; a caller's workspace kept between calls, so that a layer's prefill
+            does not allocate and free tens of MB per call).
 
     Returns [T, C] (or the `splits` tuple of [T, C_i]) in x's dtype, computed in float32:
     out[t] = act(bias + sum_j weight[:, j] * input(t - (W - 1) + j)).
@@ -149,6 +154,45 @@ def causal_conv1d_slab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     >>> state.flatten().tolist()
     [2.0]
     """
+    T, C, W, S, parts, native = _checked(x, weight, bias, conv_state, plan, activation, backend, splits, out)
+    if native and backend != "torch":
+        flat = torch.empty(T * C, dtype=x.dtype) if out is None else out[:T * C]
+        wt, b = _prepared(weight, bias)
+        cpu_conv.conv(x, flat, wt, b, conv_state, plan.table, rolling=plan.rolling, silu=activation == "silu",
+                      gather=plan.crossed, splits=parts)
+        if splits is None:
+            return flat.view(T, C)
+        return tuple(p.view(T, width) for p, width in zip(flat.split([T * width for width in parts]), parts))
+    read = plan.table[:, 2]                                       # -1: no prior, zeros
+    prior = conv_state.index_select(0, read.clamp(min=0))[:, :S].float()
+    prior[read < 0] = 0
+    src = torch.cat((prior.reshape(-1, C), x.float()))
+    w = weight.float()
+    acc = src.index_select(0, plan.taps[W - 1]) * w[:, W - 1]
+    for j in range(W - 1):
+        acc.addcmul_(src.index_select(0, plan.taps[j]), w[:, j])
+    if bias is not None:
+        acc += bias.float()
+    if activation == "silu":
+        acc = F.silu(acc, inplace=True)
+    if plan.write_rows.numel():
+        conv_state.index_put_((plan.write_rows, plan.write_cols),
+                              src.index_select(0, plan.write_src).to(conv_state.dtype))
+    results = [acc] if splits is None else list(acc.split(list(parts), dim=1))
+    if out is None:
+        results = [r.to(x.dtype).contiguous() for r in results]
+    else:                                                         # the parts one after the other in out
+        views, at = [], 0
+        for r in results:
+            views.append(out[at:at + r.numel()].view(r.shape).copy_(r))
+            at += r.numel()
+        results = views
+    return results[0] if splits is None else tuple(results)
+
+
+def _checked(x, weight, bias, conv_state, plan, activation, backend, splits, out):
+    """`causal_conv1d_slab`'s argument checks: (T, C, W, S, the output parts' channel counts,
+    whether the cpu form takes the call) or ContractError."""
     if activation not in ACTIVATIONS:
         raise ContractError("activation", f"one of {ACTIVATIONS}", activation)
     if backend not in BACKENDS:
@@ -166,33 +210,42 @@ def causal_conv1d_slab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     parts = (C,) if splits is None else tuple(splits)
     if sum(parts) != C or not 1 <= len(parts) <= cpu_conv.MAX_PARTS or min(parts) < 1:
         raise ContractError("splits", f"1 to {cpu_conv.MAX_PARTS} positive channel counts summing to {C}", splits)
-    if native and backend != "torch":
-        flat = torch.empty(T * C, dtype=x.dtype)
+    if out is not None and (out.dim() != 1 or not out.is_contiguous() or out.numel() < T * C
+                            or out.dtype != x.dtype or out.device != x.device):
+        raise ContractError("out", f"a contiguous 1-D {x.dtype} tensor on {x.device} of >= {T * C} elements",
+                            (tuple(out.shape), out.dtype, str(out.device), out.is_contiguous()))
+    if out is not None:
+        aliasing.check_written("out", out[:T * C], (("x", x), ("weight", weight), ("bias", bias),
+                                                    ("conv_state", conv_state)))
+    return T, C, W, S, parts, native
+
+
+class KeptConv:
+    """`causal_conv1d_slab`'s cpu form (with `splits` and `out`) for one plan and call
+    signature, checked once as the function checks every call: calling it with tensors of the
+    example's shapes, dtypes and strides runs the kernel with no checks but the taps' version
+    (a weight or bias changed in place is converted again). For a caller that keeps it per
+    layer (the vLLM plugin's decode steps) and guarantees what the function checks per call:
+    x, conv_state and out of the example's signature, out sharing no memory with the others.
+    Calling returns the parts as `causal_conv1d_slab` does, views of `out`."""
+
+    def __init__(self, x, weight, bias, conv_state, plan: ConvPlan, *, activation: str | None,
+                 splits: tuple[int, ...], out: torch.Tensor):
+        T, C, W, S, parts, native = _checked(x, weight, bias, conv_state, plan, activation, "cpu", splits, out)
+        self.weight, self.bias, self.T, self.parts = weight, bias, T, parts
         wt, b = _prepared(weight, bias)
-        cpu_conv.conv(x, flat, wt, b, conv_state, plan.table, rolling=plan.rolling, silu=activation == "silu",
-                      gather=plan.crossed, splits=parts)
-        if splits is None:
-            return flat.view(T, C)
-        return tuple(p.view(T, width) for p, width in zip(flat.split([T * width for width in parts]), parts))
-    read = plan.table[:, 2]                                       # -1: no prior, zeros
-    prior = conv_state.index_select(0, read.clamp(min=0))[:, :S].float()
-    prior[read < 0] = 0
-    src = torch.cat((prior.reshape(-1, C), x.float()))
-    w = weight.float()
-    out = src.index_select(0, plan.taps[W - 1]) * w[:, W - 1]
-    for j in range(W - 1):
-        out.addcmul_(src.index_select(0, plan.taps[j]), w[:, j])
-    if bias is not None:
-        out += bias.float()
-    if activation == "silu":
-        out = F.silu(out, inplace=True)
-    out_x = out.to(x.dtype)
-    if plan.write_rows.numel():
-        conv_state.index_put_((plan.write_rows, plan.write_cols),
-                              src.index_select(0, plan.write_src).to(conv_state.dtype))
-    if splits is None:
-        return out_x
-    return tuple(part.contiguous() for part in out_x.split(list(parts), dim=1))
+        self.launch = cpu_conv.ConvLaunch(x, out[:T * C], wt, b, conv_state, plan.table, rolling=plan.rolling,
+                                          silu=activation == "silu", gather=plan.crossed, splits=parts)
+
+    def __call__(self, x: torch.Tensor, conv_state: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        wt, b = _prepared(self.weight, self.bias)
+        self.launch.run(x.data_ptr(), out.data_ptr(), wt.data_ptr(), 0 if b is None else b.data_ptr(),
+                        conv_state.data_ptr())
+        T, at, views = self.T, 0, []
+        for width in self.parts:
+            views.append(out[at:at + T * width].view(T, width))
+            at += T * width
+        return tuple(views)
 
 
 _PREPARED: OrderedDict = OrderedDict()

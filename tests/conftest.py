@@ -162,6 +162,22 @@ def nan_poison():
         yield
 
 
+@pytest.fixture(params=["openmp", "own"])
+def cpu_threads(request):
+    """The cpu kernels' threads for this test (cpu_recurrent.use_threads): torch's OpenMP pool or
+    the kernel's own; restored after. The value is the kind; "openmp" fails where torch has no
+    OpenMP runtime (every torch build this project tests has one)."""
+    from deltarule.kernels import cpu_recurrent
+    if not cpu_recurrent.available():
+        pytest.skip("the native kernel is not built")
+    was = cpu_recurrent.threads_in_use()
+    assert cpu_recurrent.use_threads(request.param) == request.param, "torch has no OpenMP runtime here"
+    try:
+        yield request.param
+    finally:
+        cpu_recurrent.use_threads(was)
+
+
 def require_triton():
     """Skip the calling test module unless Triton kernels can run here: a CUDA device, or the
     interpreter (TRITON_INTERPRET=1 in effect when triton was first imported, as set above)."""

@@ -68,6 +68,63 @@ def test_conv_matches_float64_twin(name, dtype, backend):
     assert all(p.is_contiguous() for p in parts) and torch.equal(torch.cat(parts, dim=1), out)
 
 
+@pytest.mark.parametrize("name", ["plain-mixed", "plain-read-one-write-another", "rolling-ragged"])
+def test_cpu_conv_threads_do_not_change_a_bit(monkeypatch, cpu_threads, name):
+    """The cpu form's (sequence, block of 512 channels) tasks on 3 threads (torch's OpenMP pool;
+    with own threads the conv runs on the caller alone) give the bits of one thread, and the
+    float64 twin's values: 1100 channels make 3 blocks per sequence."""
+    if not cpu_conv.available():
+        pytest.skip("no native kernel")
+    lengths, read, write, fresh, accepted, columns = LAYOUTS[name]
+    g = torch.Generator().manual_seed(1)
+    x, weight, bias = torch.randn(sum(lengths), 1100, generator=g), torch.randn(1100, 4, generator=g), None
+    slab = torch.randn(SLOTS, 1100, columns or 4, generator=g).transpose(1, 2)
+    plan = plan_conv(lengths, width=4, read_rows=read, write_rows=write, fresh=fresh, accepted=accepted,
+                     columns=columns)
+    one = slab.clone()
+    out1 = causal_conv1d_slab(x, weight, bias, one, plan, backend="cpu")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(cpu_conv, "ELEMENTS_PER_THREAD", 1)
+    three = slab.clone()
+    out3 = causal_conv1d_slab(x, weight, bias, three, plan, backend="cpu")
+    assert torch.equal(out1, out3) and torch.equal(one, three)
+    ref_out, ref_slab = reference_conv1d_slab(x, weight, bias, slab, activation="silu", lengths=lengths,
+                                              read_rows=read, write_rows=write, fresh=fresh, accepted=accepted)
+    assert rel(out3, ref_out) < 1e-6 and torch.equal(three.double(), ref_slab)
+
+
+@pytest.mark.parametrize("backend", CONV_BACKENDS)
+def test_conv_writes_into_a_given_workspace(backend):
+    """`out=`: the split outputs are views of the caller's buffer, one part after the other,
+    equal to the allocated ones; the rest of the buffer stays as it was."""
+    x, weight, bias, slab, layout, columns = _args("plain-mixed", torch.bfloat16)
+    plan = plan_conv(layout["lengths"], width=4, read_rows=layout["read_rows"], write_rows=layout["write_rows"],
+                     fresh=layout["fresh"])
+    want = causal_conv1d_slab(x, weight, bias, slab.clone(), plan, backend=backend, splits=(5, 7, C - 12))
+    T = x.shape[0]
+    buf = torch.full((T * C + 9,), 7.0, dtype=x.dtype)
+    got = causal_conv1d_slab(x, weight, bias, slab.clone(), plan, backend=backend, splits=(5, 7, C - 12), out=buf)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert got[0].data_ptr() == buf.data_ptr() and got[2].data_ptr() == buf[12 * T:].data_ptr()
+    assert torch.equal(buf[T * C:], torch.full((9,), 7.0, dtype=x.dtype))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda x: torch.empty(x.numel() - 1, dtype=x.dtype), r"^out: .*>= "),
+    (lambda x: torch.empty(x.numel(), dtype=torch.float32), r"^out: .*bfloat16"),
+    (lambda x: torch.empty(2, x.numel(), dtype=x.dtype)[:, 0], r"^out: .*contiguous 1-D"),
+    (lambda x: x.view(-1), r"^out: .*x shares its memory"),
+])
+def test_conv_refuses_a_bad_workspace(bad, match):
+    x, weight, bias, slab, layout, columns = _args("plain-mixed", torch.bfloat16)
+    plan = plan_conv(layout["lengths"], width=4, read_rows=layout["read_rows"], write_rows=layout["write_rows"],
+                     fresh=layout["fresh"])
+    before = slab.clone()
+    with pytest.raises(ContractError, match=match):
+        causal_conv1d_slab(x, weight, bias, slab, plan, out=bad(x))
+    assert torch.equal(slab, before), "nothing written on failure"
+
+
 @pytest.mark.parametrize("backend", CONV_BACKENDS)
 def test_conv_sees_weights_changed_in_place(backend):
     """The cpu form keeps a layer's converted taps: an in-place update must not go unseen."""
@@ -151,11 +208,14 @@ def test_core_call_matches_float64(family, spec, dtype, tmp_path, monkeypatch):
     step = dv.step_of(m, width=W, columns=S, slots=slots)
     assert len(step.parts) == (2 if spec else 1)
     assert dv.step_of(m, width=W, columns=S, slots=slots) is step      # built once per step
-    for part in step.parts:
-        dv._run(layer, part, mixed_qkv, b, a, out, conv_state, ssm, weight, gates, K=K, V=V)
+    for _ in range(2):                  # the second time: the parts' kept launches (decode steps' path)
+        for part in step.parts:
+            dv._run(layer, part, mixed_qkv, b, a, out, conv_state, ssm, weight, gates, K=K, V=V)
     assert not out.isnan().any(), "a token's output was never written"
+    # parts of the step's first tokens keep their launches; gathered ones (beside speculative) do not
+    assert [bool(part.kept) for part in step.parts] == [part.tokens is None for part in step.parts]
     records = [json.loads(line) for line in shadow.read_text().splitlines()]
-    assert len(records) == len(step.parts) and all(r["ok"] for r in records), records
+    assert len(records) == 2 * len(step.parts) and all(r["ok"] for r in records), records
     assert ssm[7].abs().sum() > 0                            # the fresh sequence stored its state
     untouched = [r for r in range(slots) if r not in {3, 0, 5, 7} | ({1, 2, 4, 6, 8} if spec else set())]
     assert torch.equal(ssm[untouched], ssm_before[untouched])

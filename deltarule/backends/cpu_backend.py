@@ -34,7 +34,7 @@ from . import _grad
 from ._features import EVERYTHING
 
 NAME = "cpu"
-DESCRIPTION = "native V-tiled recurrence (C, POSIX threads, AVX2 / AVX-512 vectors)"
+DESCRIPTION = "native V-tiled recurrence (C, torch's OpenMP threads, AVX2 / AVX-512 vectors)"
 SUPPORTS = dict(EVERYTHING, devices="CPU tensors",
                 gradients="native reverse kernel (kernels/csrc/backward.c), every non-slab call")
 # Outputs of at least this many bytes come from `_POOL` (below): NumPy memory on
@@ -151,7 +151,7 @@ class Launch:
         self.state_shape = (p.N, p.Hv, p.V, p.K) if p.state_layout == "vk" else (p.N, p.Hv, p.K, p.V)
         self.state_dtype = p.state_dtype
         steps = p.plan.steps * p.Hv * p.K * p.V
-        self.threads = max(1, min(torch.get_num_threads(), steps // ELEMENT_STEPS_PER_THREAD))
+        self.threads = max(1, steps // ELEMENT_STEPS_PER_THREAD)    # the work's; torch's count is read per call
         inputs = (p.q, p.k, p.v, p.g, p.gk, p.beta, p.erase, p.write, p.A_log, p.dt_bias)
         self.copy = not all(x is None or x.is_contiguous() for x in inputs)
         q, k, v, g, gk, beta, erase, write, a_log, dt_bias = (_contiguous(x) for x in inputs)
@@ -203,10 +203,27 @@ class Launch:
             o = _empty(self.o_shape, self.o_dtype, zero=self.zero_o)
         S = initial_state if self.in_place else _empty(self.state_shape, self.state_dtype)
         result = self.recurrence.run(_pointers(q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state,
-                                               S, o), self.threads)
+                                               S, o), min(torch.get_num_threads(), self.threads))
         if result != cpu_recurrent.OK:
             raise self._refusal(result, g, gk)
         return o, S
+
+    def run_into(self, o, q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state) -> None:
+        """`__call__` for a launch that updates a slab in place, writing o into the caller's
+        `o` (contiguous, of the launch's o shape and dtype: a serving engine's output buffer,
+        no allocation and no copy) instead of a fresh tensor. The inputs as `__call__`'s.
+        Raises as `__call__`."""
+        if self.copy:                                # (strided gates) copied: their own ranges checked first
+            inputs = (q, k, v, g, gk, beta, erase, write, A_log, dt_bias)
+            if self.check_slab:
+                aliasing.check_written("initial_state", initial_state, zip(_INPUT_NAMES, inputs))
+            q, k, v, g, gk, beta, erase, write, A_log, dt_bias = (_contiguous(x) for x in inputs)
+        if self.zero_o:                              # tokens no sequence owns: zeros, as a fresh o
+            o.zero_()
+        result = self.recurrence.run(_pointers(q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state,
+                                               initial_state, o), min(torch.get_num_threads(), self.threads))
+        if result != cpu_recurrent.OK:
+            raise self._refusal(result, g, gk)
 
     def kernel(self, q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state):
         """The kernel alone on these contiguous tensors, as a no-argument callable returning the
@@ -217,7 +234,7 @@ class Launch:
         pointers = _pointers(q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state, S, o)
 
         def run(_keep=(o, S)):                       # the outputs live as long as the callable
-            return self.recurrence.run(pointers, self.threads)
+            return self.recurrence.run(pointers, min(torch.get_num_threads(), self.threads))
         return run
 
     def _refusal(self, result: int, g, gk):

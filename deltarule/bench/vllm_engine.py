@@ -8,8 +8,10 @@ Prints one line ``RESULT {json}``: the generated token ids of every prompt of ev
 the prompt tokens each took from the prefix cache, and the seconds each round took. Keys: model, dtype, deltarule (bool), prompts (lists of
 token ids, per round), max_tokens (an int, or one per round), speculative (ngram draft
 tokens, 0: off), prefix_caching, max_num_batched_tokens, max_num_seqs, time_gdn (also report
-the seconds spent in vLLM's GDN core op per round, deltarule's or vLLM's own; needs the engine
-in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0, which it then sets).
+the seconds spent in vLLM's GDN core op per round, deltarule's or vLLM's own, as
+[[seconds, calls] of steps with more tokens than max_num_seqs (prefill), [seconds, calls] of
+the others (decode)]; needs the engine in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0,
+which it then sets).
 """
 
 import importlib
@@ -18,11 +20,12 @@ import os
 import sys
 import time
 
-GDN_SECONDS = [0.0, 0]
+GDN_SECONDS = [[0.0, 0], [0.0, 0]]          # prefill steps, decode steps
 
 
-def _time_gdn() -> None:
-    """Wrap the function behind vllm::cpu_gdn_attention_core (before vLLM registers it)."""
+def _time_gdn(decode_tokens: int) -> None:
+    """Wrap the function behind vllm::cpu_gdn_attention_core (before vLLM registers it); a call
+    of at most `decode_tokens` tokens counts as decode."""
     import deltarule.integrations.vllm as dv
     module = importlib.import_module(dv.HOOKED_MODULE)
     inner = getattr(module, dv.HOOKED_FUNCTION)
@@ -30,8 +33,9 @@ def _time_gdn() -> None:
     def timed(mixed_qkv, b, a, core_attn_out, layer_name):
         start = time.perf_counter()
         inner(mixed_qkv, b, a, core_attn_out, layer_name)
-        GDN_SECONDS[0] += time.perf_counter() - start
-        GDN_SECONDS[1] += 1
+        kind = GDN_SECONDS[mixed_qkv.shape[0] <= decode_tokens]
+        kind[0] += time.perf_counter() - start
+        kind[1] += 1
 
     setattr(module, dv.HOOKED_FUNCTION, dv.adopt_schema(timed, inner))
 
@@ -43,7 +47,7 @@ def main(spec: dict) -> dict:
         import deltarule.integrations.vllm as dv
         assert dv.enable(), "the plugin did not hook vLLM"   # also sets DELTARULE_VLLM=1 for engine processes
     if spec.get("time_gdn"):
-        _time_gdn()
+        _time_gdn(spec.get("max_num_seqs", 8))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -62,11 +66,11 @@ def main(spec: dict) -> dict:
     rounds, cached, seconds, gdn = [], [], [], []
     for prompts, limit in zip(spec["prompts"], limits):
         params = SamplingParams(max_tokens=limit, temperature=0, detokenize=False, ignore_eos=True)
-        GDN_SECONDS[:] = [0.0, 0]
+        GDN_SECONDS[:] = [[0.0, 0], [0.0, 0]]
         start = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         seconds.append(time.perf_counter() - start)
-        gdn.append(list(GDN_SECONDS))
+        gdn.append([list(kind) for kind in GDN_SECONDS])
         rounds.append([list(o.outputs[0].token_ids) for o in outs])
         cached.append([o.num_cached_tokens or 0 for o in outs])
     return {"tokens": rounds, "cached": cached, "seconds": seconds, "gdn": gdn}

@@ -36,15 +36,16 @@ import inspect
 import json
 import logging
 import os
+import threading
 import typing
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from .. import api
+from .. import api, backends
 from ..batch import BatchPlan, plan_batch
-from ..conv import ConvPlan, causal_conv1d_slab, plan_conv, reference_conv1d_slab
+from ..conv import ConvPlan, KeptConv, causal_conv1d_slab, plan_conv, reference_conv1d_slab
 
 TESTED_VERSIONS = ("0.32.0",)
 ENV = "DELTARULE_VLLM"
@@ -140,6 +141,7 @@ class Part:
     rows: torch.Tensor             # the state slab rows the call writes
     layout: dict                   # plan_conv's arguments (for the shadow check)
     state_indices: torch.Tensor    # the plan's rows, [N] or [N, L] (for the shadow check)
+    kept: dict = field(default_factory=dict, compare=False)    # id(layer) -> its `_Kept` launches
 
 
 @dataclass(frozen=True)
@@ -295,28 +297,100 @@ def run_core(layer, mixed_qkv, b, a, core_attn_out, weight, gates) -> bool:
 
 def _run(layer, part: Part, mixed_qkv, b, a, out, conv_state, ssm, weight, gates, *, K: int, V: int) -> None:
     if part.tokens is None:
-        x, b, a = mixed_qkv[:part.count], b[:part.count], a[:part.count]
+        x, b, a, o = mixed_qkv[:part.count], b[:part.count], a[:part.count], out[:part.count]
     else:
         x, b, a = (t.index_select(0, part.tokens) for t in (mixed_qkv, b, a))
+        o = None
     shadow = os.environ.get(SHADOW_ENV)
     if shadow:
         used = _rows_used(part)
         before = (used, conv_state[used].clone(), ssm[used].clone())
     Hv = ssm.shape[1]
     kd = (x.shape[1] - Hv * V) // 2
-    y = causal_conv1d_slab(x, weight, layer.conv1d.bias, conv_state, part.conv, activation=layer.activation,
-                           splits=(kd, kd, Hv * V))
-    q, k, v = (t.view(1, part.count, -1, d) for t, d in zip(y, (K, K, V)))
-    if part.zero_rows is not None:
-        ssm.index_fill_(0, part.zero_rows, 0)
     inputs = dict(gates(layer, b, a), qk_l2norm=True, l2norm_eps=L2NORM_EPS)
-    o, _ = api.linear_attention(q, k, v, initial_state=ssm, plan=part.plan, **inputs)
-    if part.tokens is None:
-        out[:part.count] = o[0]
+    work = _workspace(x)
+    kept = _kept(layer, part, x, b, a, weight, conv_state, ssm, inputs, o, work, splits=(kd, kd, Hv * V), K=K,
+                 V=V)
+    if kept is not None:                      # a decode step's layers: launches kept, o written in place
+        y = kept.conv(x, conv_state, work)
+        q, k, v = (t.view(1, part.count, -1, d) for t, d in zip(y, (K, K, V)))
+        if part.zero_rows is not None:
+            ssm.index_fill_(0, part.zero_rows, 0)
+        get = inputs.get
+        kept.launch.run_into(o, q, k, v, get("g"), get("gk"), get("beta"), get("erase"), get("write"), get("A_log"),
+                             get("dt_bias"), ssm)
+        o = o[None]
     else:
-        out.index_copy_(0, part.tokens, o[0])
+        y = causal_conv1d_slab(x, weight, layer.conv1d.bias, conv_state, part.conv, activation=layer.activation,
+                               splits=(kd, kd, Hv * V), out=work)
+        q, k, v = (t.view(1, part.count, -1, d) for t, d in zip(y, (K, K, V)))
+        if part.zero_rows is not None:
+            ssm.index_fill_(0, part.zero_rows, 0)
+        o, _ = api.linear_attention(q, k, v, initial_state=ssm, plan=part.plan, **inputs)
+        if part.tokens is None:
+            out[:part.count] = o[0]
+        else:
+            out.index_copy_(0, part.tokens, o[0])
     if shadow:
         _shadow(shadow, layer, part, x, y, (q, k, v), o, conv_state, ssm, before, weight, inputs)
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A layer's launches for one Part: the conv and the recurrence checked once (as
+    `causal_conv1d_slab` and `linear_attention` check every call), for calls whose tensors
+    have the signature they were made for."""
+
+    layer: object
+    signature: tuple
+    conv: KeptConv
+    launch: object                 # backends.cpu_backend.Launch
+
+
+def _signature(x, b, a, conv_state, ssm, o) -> tuple:
+    """What a kept launch fixed of a call's tensors beyond its Part and layer: the strides and
+    dtypes of vLLM's x, b, a (the gates derive from them and the layer's parameters), of the
+    slabs and of o (q, k, v are views of the workspace, in x's dtype, laid out by the Part)."""
+    return (x.stride(0), x.dtype, b.stride(), b.dtype, a.stride(), a.dtype, conv_state.stride(),
+            conv_state.dtype, ssm.stride(), ssm.dtype, o.stride())
+
+
+def _kept(layer, part: Part, x, b, a, weight, conv_state, ssm, inputs, o, work, *, splits, K: int, V: int):
+    """The `_Kept` of (layer, part) for this call's signature, made (checked) on its first call;
+    None where the call takes the general path: tokens gathered (mixed speculative and
+    non-speculative steps), a backend that keeps no launch."""
+    if o is None or x.device.type != "cpu":
+        return None
+    signature = _signature(x, b, a, conv_state, ssm, o)
+    kept = part.kept.get(id(layer))
+    if kept is not None and kept.layer is layer and kept.signature == signature:
+        return kept
+    conv = KeptConv(x, weight, layer.conv1d.bias, conv_state, part.conv, activation=layer.activation,
+                    splits=splits, out=work)
+    y = tuple(torch.empty(part.count, width, dtype=x.dtype) for width in splits)     # examples of q, k, v
+    q, k, v = (t.view(1, part.count, -1, d) for t, d in zip(y, (K, K, V)))
+    launch = backends.launch(api.validate(q, k, v, initial_state=ssm, plan=part.plan, **inputs), "auto")
+    if (launch is None or not launch.in_place or not o.is_contiguous()
+            or o.shape != launch.o_shape[1:] or o.dtype != launch.o_dtype):
+        return None
+    kept = part.kept[id(layer)] = _Kept(layer, signature, conv, launch)
+    return kept
+
+
+_WORKSPACE = threading.local()
+
+
+def _workspace(x: torch.Tensor) -> torch.Tensor:
+    """The conv outputs' buffer of this thread, kept between layers and steps (grown to the
+    largest step): a layer's prefill allocated and freed tens of MB per call (25 MB at 2048
+    tokens of the 0.8B shape), which moved glibc's heap (trims, fresh mappings) and page-faulted
+    the model's other allocations in again. Layers run one after another on a thread, and
+    nothing keeps the conv outputs past the layer's call."""
+    need = x.shape[0] * x.shape[1]
+    buf = getattr(_WORKSPACE, "buf", None)
+    if buf is None or buf.dtype != x.dtype or buf.device != x.device or buf.numel() < need:
+        buf = _WORKSPACE.buf = torch.empty(need, dtype=x.dtype, device=x.device)
+    return buf
 
 
 def _shadow(path, layer, part, x, y, qkv, o, conv_state, ssm, before, weight, inputs) -> None:

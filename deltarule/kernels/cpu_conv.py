@@ -1,7 +1,7 @@
 """ctypes binding of the native short convolution (csrc/conv.c); deltarule/conv.py prepares
 its operands and owns the semantics. Compute only: no checks beyond the struct's layout.
-The problem struct is packed into a buffer kept per thread (ctypes releases the GIL during
-the call, so threads may call at once)."""
+`ConvLaunch` packs the problem struct once per call signature; `conv` packs and runs one
+call."""
 
 import ctypes
 import struct
@@ -13,24 +13,65 @@ from .cpu_recurrent import _LIB
 
 _TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MAX_PARTS = 4
+CHANNEL_BLOCK = 512          # conv.c's CB: a task is one sequence's block of channels
+# a thread per this many (token, channel) elements: a B = 8 decode step of 6144 channels takes
+# 2 threads (~0.1 ms on one), a B = 1 step one. Threads only from torch's OpenMP pool
+# (cpu_recurrent.use_threads("openmp")); with "own" the conv runs on the calling thread.
+ELEMENTS_PER_THREAD = 1 << 14
 
 
 # csrc/conv.c's `conv_problem`: x out wt bias state seq (pointers); x_row s_slot s_col s_chan N C W
 # (int64); x_type s_type rolling silu gather parts (int32); cut[MAX_PARTS + 1], part_base[MAX_PARTS]
 _PROBLEM = struct.Struct(f"@6P7q6i{MAX_PARTS + 1}q{MAX_PARTS}q")
-_LOCAL = threading.local()       # one packed problem per thread: ctypes drops the GIL during the call
-
-
-def _buffer() -> tuple[bytearray, int]:
-    buf = getattr(_LOCAL, "buf", None)
-    if buf is None:
-        data = bytearray(_PROBLEM.size)
-        buf = _LOCAL.buf = (data, ctypes.addressof(ctypes.c_char.from_buffer(data)))
-    return buf
+_ADDRESSES = struct.Struct("@5P")     # its first fields: x out wt bias state
 
 
 def available() -> bool:
     return _LIB is not None and _LIB.deltarule_conv_problem_size() == _PROBLEM.size
+
+
+class ConvLaunch:
+    """One call signature's packed `conv_problem`: the constructor takes example operands
+    (`conv`'s; their shapes, dtypes and strides are fixed from then on) and keeps the tables;
+    `run` packs only the addresses of x, out, wt, bias and state (the struct's first five
+    fields) and calls the kernel. A decode step's layers each run one (the vLLM plugin keeps
+    them per layer): a few microseconds of Python instead of a full pack."""
+
+    def __init__(self, x, out, wt, bias, state, seq, *, rolling: bool, silu: bool, gather: bool,
+                 splits: tuple[int, ...]):
+        T, cut, base = x.shape[0], [0], []
+        for width in splits:
+            base.append(T * cut[-1])
+            cut.append(cut[-1] + width)
+        pad = MAX_PARTS - len(splits)
+        self._seq = seq
+        self._buf = bytearray(_PROBLEM.pack(
+            x.data_ptr(), out.data_ptr(), wt.data_ptr(), 0 if bias is None else bias.data_ptr(), state.data_ptr(),
+            seq.data_ptr(), x.stride(0), *state.stride(), seq.shape[0], x.shape[1], wt.shape[0], _TYPES[x.dtype],
+            _TYPES[state.dtype], int(rolling), int(silu), int(gather), len(splits), *cut, *[0] * pad, *base,
+            *[0] * pad))
+        self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
+        blocks = (x.shape[1] + CHANNEL_BLOCK - 1) // CHANNEL_BLOCK
+        self.threads = max(1, min(seq.shape[0] * blocks, T * x.shape[1] // ELEMENTS_PER_THREAD))
+        self._busy = threading.Lock()
+
+    def run(self, x: int, out: int, wt: int, bias: int, state: int) -> None:
+        """The kernel on operands at these addresses (0: no bias), shaped as the constructor's.
+        Thread-safe (a call that finds the buffer in use packs a private copy)."""
+        threads = min(torch.get_num_threads(), self.threads)
+        if self._busy.acquire(False):
+            try:
+                _ADDRESSES.pack_into(self._buf, 0, x, out, wt, bias, state)
+                status = _LIB.deltarule_conv(self._address, threads)
+            finally:
+                self._busy.release()
+        else:
+            buf = bytearray(self._buf)
+            _ADDRESSES.pack_into(buf, 0, x, out, wt, bias, state)
+            status = _LIB.deltarule_conv(ctypes.addressof(ctypes.c_char.from_buffer(buf)), threads)
+        if status:
+            raise MemoryError("deltarule cpu conv: out of memory") if status == 1 else \
+                RuntimeError(f"deltarule cpu conv: status {status}")
 
 
 def conv(x: torch.Tensor, out: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
@@ -40,17 +81,5 @@ def conv(x: torch.Tensor, out: torch.Tensor, wt: torch.Tensor, bias: torch.Tenso
     contiguous, bias [C] float32 or None, state [slots, S, C] (any strides), seq [N, 5] int64
     contiguous (start, length, read row, read column, write row); gather: a sequence writes a
     row another reads (every prior is read first)."""
-    T, cut, base = x.shape[0], [0], []
-    for width in splits:
-        base.append(T * cut[-1])
-        cut.append(cut[-1] + width)
-    pad = MAX_PARTS - len(splits)
-    buf, address = _buffer()
-    _PROBLEM.pack_into(buf, 0, x.data_ptr(), out.data_ptr(), wt.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                       state.data_ptr(), seq.data_ptr(), x.stride(0), *state.stride(), seq.shape[0], x.shape[1],
-                       wt.shape[0], _TYPES[x.dtype], _TYPES[state.dtype], int(rolling), int(silu), int(gather),
-                       len(splits), *cut, *[0] * pad, *base, *[0] * pad)
-    status = _LIB.deltarule_conv(address)
-    if status:
-        raise MemoryError("deltarule cpu conv: out of memory") if status == 1 else \
-            RuntimeError(f"deltarule cpu conv: status {status}")
+    ConvLaunch(x, out, wt, bias, state, seq, rolling=rolling, silu=silu, gather=gather, splits=splits).run(
+        x.data_ptr(), out.data_ptr(), wt.data_ptr(), 0 if bias is None else bias.data_ptr(), state.data_ptr())

@@ -1,8 +1,9 @@
 """Binding of the native CPU recurrence (`csrc/recurrent.c`) and its reverse mode
 (`csrc/backward.c`), built by `pip install`.
 
-One call runs every (sequence, state head) task on `threads` POSIX threads (the
-caller's and helpers kept between calls); see the C file for the algorithm.
+One call runs every (sequence, state head) task on `threads` threads: by default a
+parallel region of torch's own OpenMP runtime (`use_threads`), else POSIX helper
+threads the kernel keeps between calls; see the C file for the algorithm.
 Compute only: the caller passes operands in the API's token-major layout and
 the int64 span table; nothing is validated here (but `check_decay`, the sign of
 the log decays, which the kernel scans before any work).
@@ -58,7 +59,9 @@ def _load():
     lib.deltarule_backward.argtypes = [ctypes.c_char_p, ctypes.c_int]
     lib.deltarule_backward.restype = ctypes.c_int
     lib.deltarule_backward_problem_size.restype = ctypes.c_size_t
-    lib.deltarule_conv.argtypes = [ctypes.c_void_p]
+    lib.deltarule_conv.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.deltarule_use_host_threads.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.deltarule_use_host_threads.restype = None
     lib.deltarule_conv.restype = ctypes.c_int
     lib.deltarule_conv_problem_size.restype = ctypes.c_size_t
     if (lib.deltarule_problem_size() != struct.calcsize(_PROBLEM.format + "0q")
@@ -69,6 +72,54 @@ def _load():
 
 
 _LIB = _load()
+THREADS = ("openmp", "own")
+
+
+def _torch_openmp() -> tuple[int, int] | None:
+    """The addresses of GOMP_parallel and omp_get_thread_num in the OpenMP runtime torch's
+    parallel regions run on, or None (torch built without OpenMP). libtorch_cpu binds them
+    from the global scope first (a preloaded libiomp5 / libomp), else from its own
+    dependency (the libgomp its wheel bundles): looked up in that order."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    for lib in (ctypes.CDLL(None), ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib",
+                                                             "libtorch_cpu.so"))):
+        try:
+            return (ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value,
+                    ctypes.cast(lib.omp_get_thread_num, ctypes.c_void_p).value)
+        except (AttributeError, OSError):
+            continue
+    return None
+
+
+def use_threads(kind: str) -> str:
+    """Which threads run the kernels' parallel work (the recurrence's tasks, the conv's blocks):
+    "openmp", torch's own OpenMP thread pool (the threads of its GEMMs; the default, from
+    env DELTARULE_CPU_THREADS, where torch runs on OpenMP), or "own", threads the kernel keeps
+    (the conv then runs on the calling thread alone). Returns the kind in effect ("own"
+    where torch has no OpenMP runtime). Not while a kernel call runs."""
+    if kind not in THREADS:
+        raise ValueError(f"threads: one of {THREADS}, not {kind!r}")
+    runtime = _torch_openmp() if kind == "openmp" else None
+    _LIB.deltarule_use_host_threads(*(runtime or (None, None)))
+    global _THREADS
+    _THREADS = "openmp" if runtime else "own"
+    return _THREADS
+
+
+def threads_in_use() -> str:
+    """The kind `use_threads` put in effect."""
+    return _THREADS
+
+
+_THREADS = "own"
+if _LIB is not None:
+    use_threads(os.environ.get("DELTARULE_CPU_THREADS", "openmp"))
+    # GNU OpenMP's threads do not survive fork (a child's next parallel region waits for them
+    # forever, torch's too): a forked child starts on the kernel's own threads, which do.
+    # use_threads("openmp") in the child takes the pool again (the vLLM plugin does: vLLM's
+    # processes run torch's parallel regions anyway).
+    os.register_at_fork(after_in_child=lambda: use_threads("own"))
 
 
 def available() -> bool:

@@ -9,12 +9,14 @@
  * rounded once.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "vector.h"
 #include "elements.h"
+#include "host_threads.h"
 
 #define MAX_PARTS 4
 
@@ -128,78 +130,101 @@ static void store_output(const conv_problem *P, int64_t t, int64_t c0, const flo
     }
 }
 
-/* Sequence s = (start, length, read row, read column, write row); its prior from `prior`
- * ([W - 1, C], gathered before) or, where NULL, read from the slab here. */
-static void sequence(const conv_problem *P, const int64_t *s, const float *prior)
+/* Channels [c0, c0 + CB) of sequence s = (start, length, read row, read column, write row);
+ * its prior from `prior` ([W - 1, C], gathered before) or, where NULL, read from the slab here.
+ * Blocks of channels are independent tasks: a block reads and writes only its own channels. */
+static void block(const conv_problem *P, const int64_t *s, const float *prior, int64_t c0)
 {
     const int64_t C = P->C, W = P->W, H = W - 1, start = s[0], L = s[1], row = s[4];
     /* the window: row h[j] holds the input of tap j; rows rotate instead of moving (padded so
      * that rows do not share 4 KiB offsets); pr: this block's prior */
     float buf[MAX_W][CB + 16], pr[MAX_W][CB + 16], acc[CB];
-    for (int64_t c0 = 0; c0 < C; c0 += CB) {
-        const int64_t nc = C - c0 < CB ? C - c0 : CB;
-        float *h[MAX_W];
-        for (int64_t j = 0; j < W; j++)
-            h[j] = buf[j];
-        for (int64_t j = 0; j < H; j++) {
-            if (prior)
-                memcpy(pr[j], prior + j * C + c0, sizeof(float) * nc);
-            else if (s[2] < 0)
-                memset(pr[j], 0, sizeof(float) * nc);
-            else
-                read_column(pr[j], P, s[2], s[3] + j, c0, nc);
-            memcpy(h[j], pr[j], sizeof(float) * nc);
-        }
+    const int64_t nc = C - c0 < CB ? C - c0 : CB;
+    float *h[MAX_W];
+    for (int64_t j = 0; j < W; j++)
+        h[j] = buf[j];
+    for (int64_t j = 0; j < H; j++) {
+        if (prior)
+            memcpy(pr[j], prior + j * C + c0, sizeof(float) * nc);
+        else if (s[2] < 0)
+            memset(pr[j], 0, sizeof(float) * nc);
+        else
+            read_column(pr[j], P, s[2], s[3] + j, c0, nc);
+        memcpy(h[j], pr[j], sizeof(float) * nc);
+    }
+    for (int64_t t = 0; t < L; t++) {
+        load_row(h[H], P->x, (start + t) * P->x_row + c0, nc, P->x_type);     /* tap W - 1 */
+        taps(acc, P, h, c0, nc);
+        store_output(P, start + t, c0, acc, nc);
+        float *oldest = h[0];                          /* slide the window */
+        for (int64_t j = 0; j < H; j++)
+            h[j] = h[j + 1];
+        h[H] = oldest;
+    }
+    if (row < 0 || L == 0)
+        return;
+    if (P->rolling) {                                 /* prior's last W - 2 inputs, then the tokens */
+        for (int64_t j = 0; j + 1 < H; j++)
+            write_column(P, row, j, c0, pr[j + 1], nc);
         for (int64_t t = 0; t < L; t++) {
-            load_row(h[H], P->x, (start + t) * P->x_row + c0, nc, P->x_type);     /* tap W - 1 */
-            taps(acc, P, h, c0, nc);
-            store_output(P, start + t, c0, acc, nc);
-            float *oldest = h[0];                          /* slide the window */
-            for (int64_t j = 0; j < H; j++)
-                h[j] = h[j + 1];
-            h[H] = oldest;
+            load_row(acc, P->x, (start + t) * P->x_row + c0, nc, P->x_type);
+            write_column(P, row, H - 1 + t, c0, acc, nc);
         }
-        if (row < 0 || L == 0)
-            continue;
-        if (P->rolling) {                                 /* prior's last W - 2 inputs, then the tokens */
-            for (int64_t j = 0; j + 1 < H; j++)
-                write_column(P, row, j, c0, pr[j + 1], nc);
-            for (int64_t t = 0; t < L; t++) {
-                load_row(acc, P->x, (start + t) * P->x_row + c0, nc, P->x_type);
-                write_column(P, row, H - 1 + t, c0, acc, nc);
-            }
-        } else {                                          /* the last W - 1 inputs: the window */
-            for (int64_t j = 0; j < H; j++)
-                write_column(P, row, j, c0, h[j], nc);
-        }
+    } else {                                          /* the last W - 1 inputs: the window */
+        for (int64_t j = 0; j < H; j++)
+            write_column(P, row, j, c0, h[j], nc);
     }
 }
 
-int deltarule_conv(const conv_problem *P)
+/* The (sequence, channel block) tasks of a call, dealt out by a counter */
+typedef struct {
+    const conv_problem *P;
+    const float *prior;     /* [N, W - 1, C] gathered priors, or NULL */
+    int64_t blocks;         /* channel blocks per sequence */
+    atomic_llong next;
+} conv_pool;
+
+static void conv_work(void *arg)
+{
+    conv_pool *J = arg;
+    const conv_problem *P = J->P;
+    const int64_t H = P->W - 1;
+    for (int64_t t = atomic_fetch_add(&J->next, 1); t < P->N * J->blocks; t = atomic_fetch_add(&J->next, 1)) {
+        const int64_t n = t / J->blocks;
+        block(P, P->seq + 5 * n, J->prior ? J->prior + n * H * P->C : NULL, t % J->blocks * CB);
+    }
+}
+
+/* Runs the call on `threads` threads of the host's OpenMP runtime where one is installed
+ * (host_threads.h), else on the calling thread alone. Returns 0, 1 (no memory), 2 (W). */
+int deltarule_conv(const conv_problem *P, int threads)
 {
     const int64_t N = P->N, C = P->C, H = P->W - 1;
     if (P->W < 1 || P->W > MAX_W)
         return 2;
-    if (!P->gather) {
-        for (int64_t n = 0; n < N; n++)
-            sequence(P, P->seq + 5 * n, NULL);
-        return 0;
-    }
-    float *prior = malloc(sizeof(float) * (size_t)(N * H * C + 1));
-    if (!prior)
-        return 1;
-    for (int64_t n = 0; n < N; n++) {
-        const int64_t *s = P->seq + 5 * n, row = s[2], col = s[3];
-        for (int64_t j = 0; j < H; j++) {
-            float *p = prior + (n * H + j) * C;
-            if (row < 0)
-                memset(p, 0, sizeof(float) * C);
-            else
-                read_column(p, P, row, col + j, 0, C);
+    float *prior = NULL;
+    if (P->gather) {          /* every prior before any write */
+        prior = malloc(sizeof(float) * (size_t)(N * H * C + 1));
+        if (!prior)
+            return 1;
+        for (int64_t n = 0; n < N; n++) {
+            const int64_t *s = P->seq + 5 * n, row = s[2], col = s[3];
+            for (int64_t j = 0; j < H; j++) {
+                float *p = prior + (n * H + j) * C;
+                if (row < 0)
+                    memset(p, 0, sizeof(float) * C);
+                else
+                    read_column(p, P, row, col + j, 0, C);
+            }
         }
     }
-    for (int64_t n = 0; n < N; n++)
-        sequence(P, P->seq + 5 * n, prior + n * H * C);
+    conv_pool J = {.P = P, .prior = prior, .blocks = (C + CB - 1) / CB};
+    atomic_init(&J.next, 0);
+    const host_parallel_fn parallel = threads >= 2 ? host_parallel() : NULL;
+    if (parallel)
+        parallel(conv_work, &J, (unsigned)threads, 0);
+    else
+        conv_work(&J);
     free(prior);
     return 0;
 }

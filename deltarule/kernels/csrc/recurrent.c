@@ -71,6 +71,7 @@
 #endif
 
 #include "vector.h"
+#include "host_threads.h"
 #include "elements.h"
 
 #if VEC == 16
@@ -1225,8 +1226,35 @@ static int64_t first_positive(const void *x, int64_t n, int type)
     return -1;
 }
 
+/* The host's OpenMP runtime (host_threads.h), installed by the binding; NULL: none */
+static host_parallel_fn installed_parallel;
+static host_thread_num_fn installed_thread_num;
+
+/* Installs (or with NULLs removes) the host's OpenMP runtime; not while a kernel call runs */
+void deltarule_use_host_threads(void *parallel, void *thread_num)
+{
+    __atomic_store_n(&installed_thread_num, (host_thread_num_fn)thread_num, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&installed_parallel, (host_parallel_fn)(thread_num ? parallel : NULL), __ATOMIC_SEQ_CST);
+}
+
+host_parallel_fn host_parallel(void)
+{
+    return __atomic_load_n(&installed_parallel, __ATOMIC_ACQUIRE);
+}
+
+int host_thread_num(void)
+{
+    return __atomic_load_n(&installed_thread_num, __ATOMIC_ACQUIRE)();
+}
+
+/* A parallel region of the host's runtime: its thread number picks the thread's block */
+static void host_region(void *W)
+{
+    work(W, host_thread_num());
+}
+
 /* Runs every (sequence, head) task on the calling thread and up to threads - 1
- * helpers, sharing the tasks through an atomic counter (any number of threads
+ * helpers (the host's OpenMP threads where installed, else the kernel's own), sharing the tasks through an atomic counter (any number of threads
  * completes them). Returns 0, 1 if a buffer could not be allocated (some tasks
  * then did not run); before any work, 4 if an operand meets the slab
  * (slab_bytes), or with check_decay 2 (3) if g (gk) holds a positive log decay
@@ -1259,6 +1287,12 @@ int deltarule_recurrent(const problem *P, int threads)
     if (threads > MAX_BLOCKS)
         threads = MAX_BLOCKS;
     pthread_once(&team_once, team_init);
+    const host_parallel_fn parallel = threads >= 2 ? host_parallel() : NULL;
+    if (parallel) {                  /* the region's threads number 0 (the caller) to threads - 1 */
+        split(&W, threads);
+        parallel(host_region, &W, (unsigned)threads, 0);
+        return atomic_load(&W.failed);
+    }
     if (threads < 2 || pthread_mutex_trylock(&team.busy) != 0) {
         split(&W, 1);
         work(&W, 0);
