@@ -343,7 +343,7 @@ class _Kept:
 
     layer: object
     signature: tuple
-    conv: KeptConv
+    conv: KeptConv | None          # None, None: the signature takes the general path
     launch: object                 # backends.cpu_backend.Launch
 
 
@@ -363,18 +363,17 @@ def _kept(layer, part: Part, x, b, a, weight, conv_state, ssm, inputs, o, work, 
         return None
     signature = _signature(x, b, a, conv_state, ssm, o)
     kept = part.kept.get(id(layer))
-    if kept is not None and kept.layer is layer and kept.signature == signature:
-        return kept
-    conv = KeptConv(x, weight, layer.conv1d.bias, conv_state, part.conv, activation=layer.activation,
-                    splits=splits, out=work)
-    y = tuple(torch.empty(part.count, width, dtype=x.dtype) for width in splits)     # examples of q, k, v
-    q, k, v = (t.view(1, part.count, -1, d) for t, d in zip(y, (K, K, V)))
-    launch = backends.launch(api.validate(q, k, v, initial_state=ssm, plan=part.plan, **inputs), "auto")
-    if (launch is None or not launch.in_place or not o.is_contiguous()
-            or o.shape != launch.o_shape[1:] or o.dtype != launch.o_dtype):
-        return None
-    kept = part.kept[id(layer)] = _Kept(layer, signature, conv, launch)
-    return kept
+    if kept is None or kept.layer is not layer or kept.signature != signature:
+        conv = KeptConv(x, weight, layer.conv1d.bias, conv_state, part.conv, activation=layer.activation,
+                        splits=splits, out=work)
+        y = tuple(torch.empty(part.count, width, dtype=x.dtype) for width in splits)     # examples of q, k, v
+        q, k, v = (t.view(1, part.count, -1, d) for t, d in zip(y, (K, K, V)))
+        launch = backends.launch(api.validate(q, k, v, initial_state=ssm, plan=part.plan, **inputs), "auto")
+        if (launch is None or not launch.in_place or not o.is_contiguous()
+                or o.shape != launch.o_shape[1:] or o.dtype != launch.o_dtype):
+            conv = launch = None                  # kept too: the signature is not tried again
+        kept = part.kept[id(layer)] = _Kept(layer, signature, conv, launch)
+    return kept if kept.launch is not None else None
 
 
 _WORKSPACE = threading.local()
