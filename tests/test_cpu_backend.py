@@ -2,7 +2,10 @@
 built wherever a C compiler exists, its threads and its huge-page outputs do
 not change a bit, and it writes a strided slab where it lies."""
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -148,6 +151,16 @@ def test_single_token_decode_on_a_slab(layout):
     assert torch.equal(slab[[1, 3]], before[[1, 3]]) and torch.equal(o[1], torch.zeros_like(o[1]))
 
 
+@pytest.mark.parametrize("value, expect", [("own", "own"), ("openmp", "openmp"), ("bogus", "DELTARULE_CPU_THREADS")])
+def test_threads_from_the_environment(value, expect):
+    """DELTARULE_CPU_THREADS picks the threads at import; a bad value fails the import naming it."""
+    code = "from deltarule.kernels import cpu_recurrent; print(cpu_recurrent.threads_in_use())"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "DELTARULE_CPU_THREADS": value})
+    assert expect in (run.stdout if run.returncode == 0 else run.stderr), run.stderr[-2000:]
+    assert (run.returncode == 0) == (value != "bogus")
+
+
 def test_concurrent_calls_and_a_forked_child(monkeypatch, cpu_threads):
     """The kernel keeps its helper threads between calls (or runs on torch's OpenMP pool):
     calls from several Python threads at once (with own threads one uses the helpers, the
@@ -155,7 +168,6 @@ def test_concurrent_calls_and_a_forked_child(monkeypatch, cpu_threads):
     forked after the threads exist (it starts on its own threads: GNU OpenMP's do not
     survive fork) still compute the right thing."""
     import concurrent.futures
-    import os
     import select
     import signal
 

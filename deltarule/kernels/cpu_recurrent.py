@@ -114,7 +114,10 @@ def threads_in_use() -> str:
 
 _THREADS = "own"
 if _LIB is not None:
-    use_threads(os.environ.get("DELTARULE_CPU_THREADS", "openmp"))
+    _kind = os.environ.get("DELTARULE_CPU_THREADS", "openmp")
+    if _kind not in THREADS:
+        raise ValueError(f"DELTARULE_CPU_THREADS: one of {THREADS}, not {_kind!r}")
+    use_threads(_kind)
     # GNU OpenMP's threads do not survive fork (a child's next parallel region waits for them
     # forever, torch's too): a forked child starts on the kernel's own threads, which do.
     # use_threads("openmp") in the child takes the pool again (the vLLM plugin does: vLLM's
