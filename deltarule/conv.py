@@ -160,9 +160,8 @@ def causal_conv1d_slab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         wt, b = _prepared(weight, bias)
         cpu_conv.conv(x, flat, wt, b, conv_state, plan.table, rolling=plan.rolling, silu=activation == "silu",
                       gather=plan.crossed, splits=parts)
-        if splits is None:
-            return flat.view(T, C)
-        return tuple(p.view(T, width) for p, width in zip(flat.split([T * width for width in parts]), parts))
+        views = _views(flat, T, parts)
+        return views[0] if splits is None else views
     read = plan.table[:, 2]                                       # -1: no prior, zeros
     prior = conv_state.index_select(0, read.clamp(min=0))[:, :S].float()
     prior[read < 0] = 0
@@ -178,16 +177,24 @@ def causal_conv1d_slab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if plan.write_rows.numel():
         conv_state.index_put_((plan.write_rows, plan.write_cols),
                               src.index_select(0, plan.write_src).to(conv_state.dtype))
-    results = [acc] if splits is None else list(acc.split(list(parts), dim=1))
+    results = acc.split(list(parts), dim=1)
     if out is None:
-        results = [r.to(x.dtype).contiguous() for r in results]
-    else:                                                         # the parts one after the other in out
-        views, at = [], 0
-        for r in results:
-            views.append(out[at:at + r.numel()].view(r.shape).copy_(r))
-            at += r.numel()
+        results = tuple(r.to(x.dtype).contiguous() for r in results)
+    else:
+        views = _views(out, T, parts)
+        for view, r in zip(views, results):
+            view.copy_(r)
         results = views
-    return results[0] if splits is None else tuple(results)
+    return results[0] if splits is None else results
+
+
+def _views(flat: torch.Tensor, T: int, parts: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """The output parts [T, parts[i]] laid one after the other from the start of `flat`."""
+    views, at = [], 0
+    for width in parts:
+        views.append(flat[at:at + T * width].view(T, width))
+        at += T * width
+    return tuple(views)
 
 
 def _checked(x, weight, bias, conv_state, plan, activation, backend, splits, out):
@@ -241,11 +248,7 @@ class KeptConv:
         wt, b = _prepared(self.weight, self.bias)
         self.launch.run(x.data_ptr(), out.data_ptr(), wt.data_ptr(), 0 if b is None else b.data_ptr(),
                         conv_state.data_ptr())
-        T, at, views = self.T, 0, []
-        for width in self.parts:
-            views.append(out[at:at + T * width].view(T, width))
-            at += T * width
-        return tuple(views)
+        return _views(out, self.T, self.parts)
 
 
 _PREPARED: OrderedDict = OrderedDict()

@@ -307,25 +307,24 @@ def _run(layer, part: Part, mixed_qkv, b, a, out, conv_state, ssm, weight, gates
         before = (used, conv_state[used].clone(), ssm[used].clone())
     Hv = ssm.shape[1]
     kd = (x.shape[1] - Hv * V) // 2
+    splits = (kd, kd, Hv * V)
     inputs = dict(gates(layer, b, a), qk_l2norm=True, l2norm_eps=L2NORM_EPS)
     work = _workspace(x)
-    kept = _kept(layer, part, x, b, a, weight, conv_state, ssm, inputs, o, work, splits=(kd, kd, Hv * V), K=K,
-                 V=V)
-    if kept is not None:                      # a decode step's layers: launches kept, o written in place
+    kept = _kept(layer, part, x, b, a, weight, conv_state, ssm, inputs, o, work, splits=splits, K=K, V=V)
+    if kept is not None:                      # launches kept (steps whose tokens are in order)
         y = kept.conv(x, conv_state, work)
-        q, k, v = (t.view(1, part.count, -1, d) for t, d in zip(y, (K, K, V)))
-        if part.zero_rows is not None:
-            ssm.index_fill_(0, part.zero_rows, 0)
+    else:
+        y = causal_conv1d_slab(x, weight, layer.conv1d.bias, conv_state, part.conv, activation=layer.activation,
+                               splits=splits, out=work)
+    q, k, v = (t.view(1, part.count, -1, d) for t, d in zip(y, (K, K, V)))
+    if part.zero_rows is not None:
+        ssm.index_fill_(0, part.zero_rows, 0)
+    if kept is not None:                      # o written into vLLM's output in place
         get = inputs.get
         kept.launch.run_into(o, q, k, v, get("g"), get("gk"), get("beta"), get("erase"), get("write"), get("A_log"),
                              get("dt_bias"), ssm)
         o = o[None]
     else:
-        y = causal_conv1d_slab(x, weight, layer.conv1d.bias, conv_state, part.conv, activation=layer.activation,
-                               splits=(kd, kd, Hv * V), out=work)
-        q, k, v = (t.view(1, part.count, -1, d) for t, d in zip(y, (K, K, V)))
-        if part.zero_rows is not None:
-            ssm.index_fill_(0, part.zero_rows, 0)
         o, _ = api.linear_attention(q, k, v, initial_state=ssm, plan=part.plan, **inputs)
         if part.tokens is None:
             out[:part.count] = o[0]

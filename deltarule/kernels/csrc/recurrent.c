@@ -1254,8 +1254,8 @@ static void host_region(void *W)
 }
 
 /* Runs every (sequence, head) task on the calling thread and up to threads - 1
- * helpers (the host's OpenMP threads where installed, else the kernel's own), sharing the tasks through an atomic counter (any number of threads
- * completes them). Returns 0, 1 if a buffer could not be allocated (some tasks
+ * helpers (the host's OpenMP threads where installed, else the kernel's own), sharing
+ * the tasks through atomic counters (any number of threads completes them). Returns 0, 1 if a buffer could not be allocated (some tasks
  * then did not run); before any work, 4 if an operand meets the slab
  * (slab_bytes), or with check_decay 2 (3) if g (gk) holds a positive log decay
  * (*bad says where). */
