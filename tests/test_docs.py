@@ -15,6 +15,7 @@ import deltarule.contracts.slab
 import deltarule.conv
 import deltarule.distributed
 import deltarule.integrations.transformers
+import deltarule.kernels.cpu_recurrent
 import deltarule.library
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -23,7 +24,8 @@ README = ROOT / "README.md"
 
 @pytest.mark.parametrize("module", [deltarule.api, deltarule.batch, deltarule.cards, deltarule.contracts.ascend,
                                     deltarule.contracts.fla, deltarule.contracts.slab, deltarule.conv, deltarule.distributed,
-                                    deltarule.integrations.transformers, deltarule.library],
+                                    deltarule.integrations.transformers, deltarule.kernels.cpu_recurrent,
+                                    deltarule.library],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)

@@ -97,7 +97,15 @@ def use_threads(kind: str) -> str:
     "openmp", torch's own OpenMP thread pool (the threads of its GEMMs; the default, from
     env DELTARULE_CPU_THREADS, where torch runs on OpenMP), or "own", threads the kernel keeps
     (the conv then runs on the calling thread alone). Returns the kind in effect ("own"
-    where torch has no OpenMP runtime). Not while a kernel call runs."""
+    where torch has no OpenMP runtime). Not while a kernel call runs. Results are the same
+    bits either way.
+
+    >>> from deltarule.kernels import cpu_recurrent
+    >>> cpu_recurrent.use_threads("own")
+    'own'
+    >>> cpu_recurrent.use_threads("openmp")         # torch's pool (torch's CPU wheels run on OpenMP)
+    'openmp'
+    """
     if kind not in THREADS:
         raise ValueError(f"threads: one of {THREADS}, not {kind!r}")
     runtime = _torch_openmp() if kind == "openmp" else None
