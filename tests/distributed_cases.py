@@ -13,8 +13,11 @@ every rank must raise `ContractError`.
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import json
 import math
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -273,6 +276,7 @@ def main(rank: int, world: int, port: int, out: str) -> int:
 
     import torch.distributed as dist
 
+    faulthandler.enable()                   # a crash (SIGABRT from C++) prints where Python was
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
@@ -293,11 +297,21 @@ def main(rank: int, world: int, port: int, out: str) -> int:
         record(name, run_refusal)
     for name in DISAGREEMENTS:
         record(name, run_disagreement)
+    # The phases go to the log: where a rank that dies in the teardown had got to.
     dist.barrier()
+    print("teardown: barrier passed", flush=True)
     dist.destroy_process_group()
+    gc.collect()                            # the groups' C++ objects go now, not at interpreter exit
+    print("teardown: process group destroyed", flush=True)
     return 0
 
 
 if __name__ == "__main__":
     rank, world, port = (int(x) for x in sys.argv[1:4])
-    raise SystemExit(main(rank, world, port, sys.argv[4]))
+    code = main(rank, world, port, sys.argv[4])
+    # Leave without the interpreter's finalization: every result is written and the group torn
+    # down. In one CI run (stop 27) rank 0 aborted after writing every result ("terminate called
+    # without an active exception", torch's C++ side; not reproduced in 26 runs here, 11 of them under load);
+    # the test checks that no rank dies or hangs in deltarule's collectives, not torch's exit.
+    sys.stdout.flush()
+    os._exit(code)
