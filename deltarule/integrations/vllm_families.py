@@ -16,7 +16,10 @@ their models need to build there (docs/vllm.md, "Families").
   concatenation and the cache gather of chunked-context prefill; no RoPE: Kimi Linear's MLA is
   NoPE), and vLLM-CPU's MLA prefill backend taking the `out` it claims to take for context
   chunks. Kimi's modules must not be imported before vLLM's worker starts (that breaks the worker's
-  scan for Triton kernels to override).
+  scan for Triton kernels to override). On CPUs without AMX Kimi Linear could not start: vLLM-CPU
+  turns prefix caching off for MLA models after the mamba cache was set up for it (the CPU
+  platform's config check now finishes that switch), and its reference MLA backend refused the
+  hybrid model's 128-token cache blocks (it now takes multiples of its 16-token kernel blocks).
 
 Every module is patched when vLLM imports it (a post-import hook), and every hook checks the
 names and parameters it relies on and logs a warning instead of hooking when they changed.
@@ -47,6 +50,8 @@ _KIMI_SIGNATURE = ("self", "mixed_qkv", "g1", "g2", "beta", "core_attn_out")
 KIMI_MLA_MODULE = "vllm.models.kimi_k3.nvidia.mla"
 KIMI_MODEL_MODULE = "vllm.models.kimi_k3.nvidia.model"
 CPU_MLA_PREFILL_MODULE = "vllm.v1.attention.backends.mla.prefill.cpu_sdpa"
+CPU_PLATFORM_MODULE = "vllm.platforms.cpu"
+CPU_MLA_MODULE = "vllm.v1.attention.backends.mla.cpu_mla"
 
 
 def hook_all() -> None:
@@ -54,6 +59,54 @@ def hook_all() -> None:
     the ones left alone)."""
     _after_import(OLMO_MODULE, _patch_olmo)
     _hook_kimi()
+    _after_import(CPU_PLATFORM_MODULE, _patch_cpu_platform)
+    _after_import(CPU_MLA_MODULE, _patch_cpu_mla_blocks)
+
+
+def _patch_cpu_mla_blocks(module) -> None:
+    """vLLM-CPU's reference MLA backend (CPU_MLA: what CPUs without AMX get) accepts a cache block
+    size of exactly 16, while a hybrid model's attention blocks grow to hold a mamba page (128
+    tokens for Kimi Linear): the engine refused to start. Its kernels take blocks of 16
+    (`get_supported_kernel_block_sizes`), and vLLM's model runner splits larger blocks into
+    such kernel blocks for the backends that allow multiples, as vLLM's base class does; so
+    multiples of 16 are accepted here too (Kimi Linear's token test checks the result)."""
+    cls = getattr(module, "CPUMLABackend", None)
+    kernel_sizes = getattr(cls, "get_supported_kernel_block_sizes", None)
+    if cls is None or not hasattr(cls, "supports_block_size") or kernel_sizes is None or kernel_sizes() != [16]:
+        log.warning("deltarule: %s.CPUMLABackend changed: Kimi Linear may not start on CPUs without AMX",
+                    CPU_MLA_MODULE)
+        return
+    cls.supports_block_size = classmethod(lambda cls, block_size: block_size is None or block_size % 16 == 0)
+
+
+def _patch_cpu_platform(module) -> None:
+    """vLLM-CPU turns prefix caching (and chunked prefill) off for MLA models on CPUs without AMX
+    in its platform's config check, after the hybrid models' config hook aligned the mamba cache
+    to prefix caching (mamba block size = the block size, cache mode "align"): VllmConfig then
+    refuses the leftover mamba block size and Kimi Linear cannot start on such CPUs. Where the
+    check turned prefix caching off, the hook's own settings for that case follow (cache mode
+    "none", one mamba block of max_model_len)."""
+    cls = getattr(module, "CpuPlatform", None)
+    check = getattr(cls, "check_and_update_config", None)
+    if check is None or not hasattr(check, "__func__"):
+        log.warning("deltarule: %s.CpuPlatform.check_and_update_config not found: Kimi Linear may not start "
+                    "on CPUs without AMX", CPU_PLATFORM_MODULE)
+        return
+    if getattr(check.__func__, "_deltarule", False):
+        return
+    original = check.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        cache, model = vllm_config.cache_config, vllm_config.model_config
+        caching = cache.enable_prefix_caching
+        original(cls, vllm_config)
+        if (caching and not cache.enable_prefix_caching and model is not None
+                and cache.mamba_block_size not in (None, model.max_model_len)):
+            cache.mamba_cache_mode = "none"
+            cache.mamba_block_size = model.max_model_len
+
+    check_and_update_config._deltarule = True
+    cls.check_and_update_config = classmethod(check_and_update_config)
 
 
 def _patch_olmo(module) -> None:
@@ -110,8 +163,7 @@ def olmo_forward_core(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.T
     down to -1); no conv bias (the weight read as Qwen's: vLLM-CPU packs both in place at load
     and keeps a plain copy); q and k repeat over value heads in vLLM's layer
     (``repeat_interleave``), as deltarule's GVA reads key head h // (Hv / Hk) for value head h."""
-    weight = plugin.conv_weight(self)
-    plugin.run_core(self, mixed_qkv, b, a, core_attn_out, weight, _olmo_gates)
+    plugin.run_core(self, mixed_qkv, b, a, core_attn_out, _olmo_gates)
 
 
 def _olmo_gates(layer, b, a) -> dict:
@@ -131,8 +183,7 @@ def kimi_forward(self, mixed_qkv: torch.Tensor, g1: torch.Tensor, g2: torch.Tens
     KDA's decay per key: -exp(A_log[h]) softplus(g1 + dt_bias[h, d]) in the kernel, or, with the
     layer's ``gate_lower_bound``, lower_bound sigmoid(exp(A_log) (g1 + dt_bias)) formed in float32
     (fla's bounded gate)."""
-    weight = plugin.conv_weight(self)
-    if plugin.run_core(self, mixed_qkv, beta[0], g1[0], core_attn_out[0], weight, _kimi_gates):
+    if plugin.run_core(self, mixed_qkv, beta[0], g1[0], core_attn_out[0], _kimi_gates):
         core_attn_out.copy_(self.o_norm(core_attn_out, g2))
 
 
