@@ -288,15 +288,13 @@ class Slabs:
     weight: torch.Tensor           # [C, W]
 
 
-_SLABS: dict[int, tuple[tuple, Slabs]] = {}
-
-
 def slabs_of(layer) -> Slabs:
-    """The layer's `Slabs`, made once and kept while its cache tensors and conv weight are the
-    same objects (vLLM allocates the cache once; a reload may replace the weight)."""
+    """The layer's `Slabs`, made once and kept on the layer (as ``_deltarule_slabs``: it lives
+    as long as the layer) while its cache tensors and conv weight are the same objects (vLLM
+    allocates the cache once; a reload may replace the weight)."""
     conv1d, cache = layer.conv1d, layer.kv_cache
-    made_from = (layer, cache[0], cache[1], conv1d.weight, conv1d.__dict__.get("_cpu_unpacked_conv_weight"))
-    hit = _SLABS.get(id(layer))
+    made_from = (cache[0], cache[1], conv1d.weight, conv1d.__dict__.get("_cpu_unpacked_conv_weight"))
+    hit = layer.__dict__.get("_deltarule_slabs")
     if hit is not None and all(x is y for x, y in zip(hit[0], made_from)):
         return hit[1]
     conv_state, ssm = cache
@@ -304,7 +302,7 @@ def slabs_of(layer) -> Slabs:
         conv_state = conv_state.transpose(1, 2)
     slots, Hv, V, K = ssm.shape
     slabs = Slabs(conv_state, ssm.view(slots, Hv, K, V), conv_weight(layer))
-    _SLABS[id(layer)] = (made_from, slabs)
+    layer.__dict__["_deltarule_slabs"] = (made_from, slabs)
     return slabs
 
 
