@@ -31,6 +31,7 @@ backend on the same inputs) and appends one JSON line per call to PATH (tests).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import json
@@ -252,19 +253,15 @@ def gdn_attention_core(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     run_core(layer, mixed_qkv, b, a, core_attn_out, qwen_gates, context=context)
 
 
-_VLLM = []
-
-
+@functools.cache
 def _vllm():
     """vLLM's functions the op calls, imported once (an import statement per call costs
     microseconds a decode step's every layer pays)."""
-    if not _VLLM:
-        from vllm.forward_context import get_forward_context
-        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-        from vllm.utils.torch_utils import _resolve_layer_name
-        _VLLM.append(SimpleNamespace(get_forward_context=get_forward_context, resolve_layer_name=_resolve_layer_name,
-                                     is_conv_state_dim_first=is_conv_state_dim_first))
-    return _VLLM[0]
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    from vllm.utils.torch_utils import _resolve_layer_name
+    return SimpleNamespace(get_forward_context=get_forward_context, resolve_layer_name=_resolve_layer_name,
+                           is_conv_state_dim_first=is_conv_state_dim_first)
 
 
 def conv_weight(layer) -> torch.Tensor:
@@ -341,6 +338,8 @@ def _run(layer, part: Part, mixed_qkv, b, a, out, slabs: Slabs, gates) -> None:
     if shadow:
         used = _rows_used(part)
         before = (used, conv_state[used].clone(), ssm[used].clone())
+    if part.zero_rows is not None:            # rows of sequences without a prior state (the conv reads none)
+        ssm.index_fill_(0, part.zero_rows, 0)
     work = _workspace(x, b, a)
     kept = _kept(layer, part, x, b, a, o, slabs, gates, work)
     if kept is not None:                      # launches kept (steps whose tokens are in order)
@@ -348,8 +347,6 @@ def _run(layer, part: Part, mixed_qkv, b, a, out, slabs: Slabs, gates) -> None:
         kept.b.copy_(b)                       # contiguous gates for the kernel
         kept.a.copy_(a)
         args = kept.args if kept.args is not None else _arguments(kept.qkv, _inputs(gates, layer, kept.b, kept.a))
-        if part.zero_rows is not None:
-            ssm.index_fill_(0, part.zero_rows, 0)
         kept.launch.run_into(o, *args, ssm)   # o written into vLLM's output in place
         if shadow:
             y, (q, k, v), o = kept.y, kept.qkv, o[None]
@@ -358,8 +355,6 @@ def _run(layer, part: Part, mixed_qkv, b, a, out, slabs: Slabs, gates) -> None:
         y = causal_conv1d_slab(x, slabs.weight, layer.conv1d.bias, conv_state, part.conv, activation=layer.activation,
                                splits=_splits(x, ssm), out=work)
         q, k, v = _qkv(y, part.count, ssm)
-        if part.zero_rows is not None:
-            ssm.index_fill_(0, part.zero_rows, 0)
         inputs = _inputs(gates, layer, b, a)
         o, _ = api.linear_attention(q, k, v, initial_state=ssm, plan=part.plan, **inputs)
         if part.tokens is None:
