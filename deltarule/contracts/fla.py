@@ -278,7 +278,9 @@ def _with_chunk_states(call, q, k, v, *, initial_state, state_v_first, cu_seqlen
     One call of deltarule's operator computes them: a float32 slab holds the chunk starts, the
     sequences' final states and their initial states, and speculative-style token rows
     (2-D ``state_indices``) store the state after each chunk's last token into the next chunk's
-    row; every other token stores nothing."""
+    row; every other token stores nothing. The slab is in the call's own layout (``[.., V, K]``
+    with ``state_v_first``), so that o and the final state come from the same kernel path as
+    without ``return_intermediate_states`` (bit-identical)."""
     from ..batch import build
 
     B, T = q.shape[:2]
@@ -293,17 +295,16 @@ def _with_chunk_states(call, q, k, v, *, initial_state, state_v_first, cu_seqlen
     # rows the sequences read (their initial states); h0 is copied in before the operator sees it,
     # so it is checked here (rows the kernel does not store: the first chunk starts, the reads,
     # the finals of empty sequences)
-    slab = torch.empty(NT + 2 * N, HV, K, V, dtype=torch.float32, device=q.device)
+    tail = (V, K) if state_v_first else (K, V)
+    slab = torch.empty(NT + 2 * N, HV, *tail, dtype=torch.float32, device=q.device)
     if initial_state is not None:
-        shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
         if not isinstance(initial_state, torch.Tensor) or not initial_state.is_floating_point() \
-                or initial_state.shape != shape:
+                or initial_state.shape != (N, HV, *tail):
             raise ContractError("initial_state",
                                 f"a float [N={N}, HV={HV}, " + ("V, K]" if state_v_first else "K, V]"),
                                 getattr(initial_state, "shape", type(initial_state).__name__))
-        h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
-        slab[NT:NT + N] = h0
-        slab[NT + N:] = h0
+        slab[NT:NT + N] = initial_state
+        slab[NT + N:] = initial_state
     else:
         slab[NT:].zero_()
     rows = torch.full((N, max(1, max(lengths, default=0))), -1, dtype=torch.int64)
@@ -317,11 +318,10 @@ def _with_chunk_states(call, q, k, v, *, initial_state, state_v_first, cu_seqlen
         rows[n, length - 1] = NT + n                 # its final state (the read row if length 1)
         slab[first] = slab[NT + n]
         first += count
-    o, _ = call(q, k, v, initial_state=slab, cu_seqlens=cu_seqlens, state_indices=rows.to(q.device),
+    o, _ = call(q, k, v, initial_state=slab, state_layout="vk" if state_v_first else "kv",
+                cu_seqlens=cu_seqlens, state_indices=rows.to(q.device),
                 num_accepted_tokens=torch.ones(N, dtype=torch.int64, device=q.device))
     h, final = slab[:NT], slab[NT:NT + N]
-    if state_v_first:
-        h, final = h.transpose(-1, -2), final.transpose(-1, -2)
     h = h.reshape(1 if cu_seqlens is not None else B, -1, *h.shape[1:])
     return o, final.contiguous(), h
 
