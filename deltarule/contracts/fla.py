@@ -247,15 +247,14 @@ def _run(q, k, v, *, out_dtype_of, scale, initial_state, output_final_state, sta
             and initial_state.dtype != torch.float32:
         initial_state = initial_state.to(torch.float32)   # fla's kernels read h0 in float32
     call = functools.partial(_call, scale=scale, qk_l2norm=bool(qk_l2norm), l2norm_eps=FLA_L2NORM_EPS,
-                             chunk_size=chunk_size, **gates,
+                             chunk_size=chunk_size, state_layout="vk" if state_v_first else "kv", **gates,
                              accept_growth=True)  # fla takes any log decay; linear_attention refuses > 0
     h = None
     if chunk_states and h_dtype is not None:
         o, state, h = _with_chunk_states(call, q, k, v, initial_state=initial_state, state_v_first=state_v_first,
                                          cu_seqlens=cu_seqlens, chunk_size=chunk_size)
     else:
-        o, state = call(q, k, v, initial_state=initial_state, state_layout="vk" if state_v_first else "kv",
-                        cu_seqlens=cu_seqlens)
+        o, state = call(q, k, v, initial_state=initial_state, cu_seqlens=cu_seqlens)
         # fla returns a fresh tensor, never h0 itself (traced by torch.compile, deltarule's op
         # already returns a fresh one: deltarule.library)
         if output_final_state and initial_state is not None and not torch.compiler.is_compiling() \
@@ -278,8 +277,8 @@ def _with_chunk_states(call, q, k, v, *, initial_state, state_v_first, cu_seqlen
     One call of deltarule's operator computes them: a float32 slab holds the chunk starts, the
     sequences' final states and their initial states, and speculative-style token rows
     (2-D ``state_indices``) store the state after each chunk's last token into the next chunk's
-    row; every other token stores nothing. The slab is in the call's own layout (``[.., V, K]``
-    with ``state_v_first``), so that o and the final state come from the same kernel path as
+    row; every other token stores nothing. The slab is in `call`'s layout (``[.., V, K]`` with
+    ``state_v_first``), so that o and the final state come from the same kernel path as
     without ``return_intermediate_states`` (bit-identical)."""
     from ..batch import build
 
@@ -318,8 +317,7 @@ def _with_chunk_states(call, q, k, v, *, initial_state, state_v_first, cu_seqlen
         rows[n, length - 1] = NT + n                 # its final state (the read row if length 1)
         slab[first] = slab[NT + n]
         first += count
-    o, _ = call(q, k, v, initial_state=slab, state_layout="vk" if state_v_first else "kv",
-                cu_seqlens=cu_seqlens, state_indices=rows.to(q.device),
+    o, _ = call(q, k, v, initial_state=slab, cu_seqlens=cu_seqlens, state_indices=rows.to(q.device),
                 num_accepted_tokens=torch.ones(N, dtype=torch.int64, device=q.device))
     h, final = slab[:NT], slab[NT:NT + N]
     h = h.reshape(1 if cu_seqlens is not None else B, -1, *h.shape[1:])
