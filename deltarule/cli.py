@@ -51,8 +51,15 @@ def _info() -> int:
 
     from . import __version__
     from .backends import info
+    from .versions import TESTED, installed
 
     print(f"deltarule {__version__}  torch {torch.__version__}  threads {torch.get_num_threads()}")
+    print("libraries (installed; tested releases):")
+    for name, distribution, version, tested in installed():
+        state = "not installed" if version is None else f"{distribution} {version}"
+        verdict = "" if version is None else ("tested" if tested else "NOT a tested release")
+        print(f"  {name:<13} {state:<24} {verdict:<21} tested: {', '.join(TESTED[name])}")
+    print("backends:")
     for b in info():
         state = "available" if b["available"] else "not available"
         print(f"  {b['name']:<10} {state:<14} {b['description']}")

@@ -58,7 +58,7 @@ def main(argv=None):
     with dt.torch_fallback():
         reference, fallback_s = generate(model, prompt, args.new_tokens)
 
-    found = dt.enable()            # every family of the installed transformers now runs on deltarule
+    found = dt.enable().bound      # every family of the installed transformers now runs on deltarule
     print(f"deltarule bound {len(found)} names in {len({b.family for b in found})} model families")
     tokens, deltarule_s = generate(model, prompt, args.new_tokens)
     dt.disable()

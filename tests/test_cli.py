@@ -15,6 +15,33 @@ def test_info_lists_backends(capsys):
     assert "torch" in out and "reference" in out and "rules:" in out
 
 
+def test_info_lists_library_versions_and_whether_tested(capsys, monkeypatch):
+    import importlib.metadata
+
+    from deltarule import versions
+
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    for name in ("transformers", "kernels", "vllm", "onnxruntime", "fla", "triton"):
+        assert f"\n  {name} " in out, name
+    real = importlib.metadata.version
+    fake = {"transformers": "9.9.9", "kernels": None}
+
+    def version(distribution):
+        if distribution in fake:
+            if fake[distribution] is None:
+                raise importlib.metadata.PackageNotFoundError(distribution)
+            return fake[distribution]
+        return real(distribution)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    rows = {name: (version, tested) for name, _, version, tested in versions.installed()}
+    assert rows["transformers"] == ("9.9.9", False) and rows["kernels"] == (None, False)
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "transformers 9.9.9" in out and "NOT a tested release" in out and "kernels       not installed" in out
+
+
 def test_check_prints_a_table_and_passes(capsys):
     assert main(["check", "--backend", "torch", "--case", "slab-", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out

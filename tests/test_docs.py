@@ -14,9 +14,11 @@ import deltarule.contracts.fla
 import deltarule.contracts.slab
 import deltarule.conv
 import deltarule.distributed
+import deltarule.integrations.hf_kernels
 import deltarule.integrations.transformers
 import deltarule.kernels.cpu_recurrent
 import deltarule.library
+import deltarule.versions
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -24,8 +26,8 @@ README = ROOT / "README.md"
 
 @pytest.mark.parametrize("module", [deltarule.api, deltarule.batch, deltarule.cards, deltarule.contracts.ascend,
                                     deltarule.contracts.fla, deltarule.contracts.slab, deltarule.conv, deltarule.distributed,
-                                    deltarule.integrations.transformers, deltarule.kernels.cpu_recurrent,
-                                    deltarule.library],
+                                    deltarule.integrations.hf_kernels, deltarule.integrations.transformers,
+                                    deltarule.kernels.cpu_recurrent, deltarule.library, deltarule.versions],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)

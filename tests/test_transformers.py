@@ -9,6 +9,7 @@ that deltarule was called, so a run that silently stayed on the fallback fails.
 """
 
 import importlib
+import inspect
 import warnings
 
 import pytest
@@ -18,6 +19,7 @@ transformers = pytest.importorskip("transformers", minversion="5.0", reason="pip
 
 import deltarule  # noqa: E402
 import deltarule.contracts.fla as fla_drop_ins  # noqa: E402
+import deltarule.integrations.hf_kernels as hf_kernels  # noqa: E402
 import deltarule.integrations.transformers as dt  # noqa: E402
 from conftest import rel  # noqa: E402
 
@@ -145,19 +147,120 @@ def test_every_family_found_has_a_tiny_model():
             {"chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"}, {"chunk_kda", "fused_recurrent_kda"})
 
 
+def _running(module, attribute: str):
+    """The function a binding runs now: its module attribute, or (kernels' form, 5.25 on) the
+    instance forward kernelize gave it, or kernels' own Func.forward."""
+    bound = getattr(module, attribute)
+    if dt._is_kernelizable(bound):
+        forward = bound.__dict__.get("forward", type(bound).forward)
+        return getattr(forward, "__func__", forward)
+    return bound
+
+
+KERNELS_FORM = dt._is_kernelizable(
+    getattr(importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next"),
+            "torch_chunk_gated_delta_rule"))
+
+
 def test_enable_binds_deltarule_and_disable_restores():
     module = importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next")
-    assert module.torch_chunk_gated_delta_rule.__name__ == "deltarule_chunk_gated_delta_rule"
+    name = "torch_chunk_gated_delta_rule"
+    ours = hf_kernels.ChunkGatedDeltaRule.forward if KERNELS_FORM else None
+    if KERNELS_FORM:
+        assert _running(module, name) is ours
+        assert module.torch_chunk_gated_delta_rule.__dict__["_kernel_repo"].layer_name == "ChunkGatedDeltaRule"
+    else:
+        assert _running(module, name).__name__ == "deltarule_chunk_gated_delta_rule"
+    before = {b: dict(vars(getattr(importlib.import_module(b.module), b.attribute))) for b in dt.bindings()}
     dt.disable()
     assert not dt.enabled()
-    restored = module.torch_chunk_gated_delta_rule
-    assert not restored.__name__.startswith("deltarule_") and callable(restored.__wrapped__)
+    restored = _running(module, name)
+    assert restored is not ours and not restored.__name__.startswith("deltarule_")
+    if KERNELS_FORM:                              # exactly what was there: kernels' own forward, no repository
+        assert all("forward" not in vars(getattr(importlib.import_module(b.module), b.attribute)) for b in before)
+    else:
+        assert callable(restored.__wrapped__)
     dt.enable()
     dt.enable()                                   # twice: still one layer of replacement
-    assert module.torch_chunk_gated_delta_rule.__wrapped__ is fla_drop_ins.chunk_gated_delta_rule
+    again = _running(module, name)
+    assert again is ours if KERNELS_FORM else again.__wrapped__ is fla_drop_ins.chunk_gated_delta_rule
+    fallback = dt._torch_function(getattr(module, name))
     with dt.torch_fallback():
-        assert module.torch_chunk_gated_delta_rule is restored.__wrapped__
-    assert module.torch_chunk_gated_delta_rule.__name__ == "deltarule_chunk_gated_delta_rule"
+        assert _running(module, name) is fallback and fallback.__name__ == name
+    assert _running(module, name) is again
+
+
+def test_a_family_not_recognised_stays_on_transformers(monkeypatch):
+    """One warning naming the family, the attribute and the version; the family is left whole
+    (nothing half-bound), the others are bound; strict=True raises and binds nothing."""
+    module = importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next")
+    dt.disable()
+    untouched = {b.attribute: _running(module, b.attribute) for b in dt.bindings() if b.family == "qwen3_next"}
+    strange = lambda *args, **kwargs: None  # noqa: E731   (no __wrapped__, not kernels' Func)
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", strange)
+    try:
+        with pytest.warns(RuntimeWarning, match=r"'qwen3_next'.*torch_chunk_gated_delta_rule.*transformers "
+                          + transformers.__version__.replace(".", r"\.")) as caught:
+            result = dt.enable()
+        assert len([w for w in caught if "qwen3_next" in str(w.message)]) == 1
+        assert "qwen3_next" not in result.families and set(result.families) == set(FOUND) - {"qwen3_next"}
+        assert "torch_chunk_gated_delta_rule" in result.left["qwen3_next"]
+        assert all(b.family != "qwen3_next" for b in result.bound)
+        for attribute, function in untouched.items():
+            if attribute != "torch_chunk_gated_delta_rule":
+                assert _running(module, attribute) is function, attribute
+        dt.disable()
+        with pytest.raises(deltarule.Unsupported, match="qwen3_next: .*torch_chunk_gated_delta_rule"):
+            dt.enable(strict=True)
+        assert not dt.enabled()
+        with pytest.raises(deltarule.ContractError, match="strict"):
+            dt.enable(strict=1)
+    finally:
+        monkeypatch.undo()
+        dt.enable()
+
+
+@pytest.mark.skipif(not KERNELS_FORM, reason="transformers binds through HF kernels from 5.25 on")
+def test_kernels_signature_drift_is_refused(monkeypatch):
+    """A release whose function takes other parameters than deltarule's layer is not kernelized."""
+    module = importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next")
+    func = module.torch_chunk_gated_delta_rule
+    sig = inspect.signature(type(func).forward)
+    changed = sig.replace(parameters=[*list(sig.parameters.values())[:6],
+                                      inspect.Parameter("new_flag", inspect.Parameter.KEYWORD_ONLY, default=0)])
+    monkeypatch.setattr(type(func).forward, "__signature__", changed)
+    assert "new_flag" in hf_kernels.matches(func, "chunk_gated_delta_rule")
+    with pytest.warns(RuntimeWarning, match="'qwen3_next'.*torch_chunk_gated_delta_rule.*new_flag"):
+        result = dt.enable()
+    assert "qwen3_next" in result.left
+    monkeypatch.undo()
+    dt.enable()
+
+
+@pytest.mark.skipif(not KERNELS_FORM, reason="transformers binds through HF kernels from 5.25 on")
+def test_per_model_kernelize_and_from_pretrained(calls, tmp_path):
+    """kernels' own route, per model: `kernelize` with deltarule's mapping (the local repository),
+    and `from_pretrained` inside `use_kernel_mapping` (it kernelizes by default from 5.25 on)."""
+    import kernels
+
+    dt.disable()
+    try:
+        model = tiny("qwen3_5")
+        ids, mask = prompts()
+        ref_tokens, ref_logits = generate(model, ids, mask)
+        assert calls.n == 0                                   # transformers' own path
+        with kernels.use_kernel_mapping(hf_kernels.kernel_mapping()):
+            kernels.kernelize(model, mode=kernels.Mode.INFERENCE, device="cpu")
+        tokens, logits = generate(model, ids, mask)
+        assert calls.n >= NEW_TOKENS and torch.equal(tokens, ref_tokens) and rel(logits, ref_logits) <= TOL
+        model.save_pretrained(tmp_path)
+        n = calls.n
+        with kernels.use_kernel_mapping(hf_kernels.kernel_mapping()):
+            loaded = type(model).from_pretrained(tmp_path).eval()
+        tokens, _ = generate(loaded, ids, mask)
+        assert calls.n > n and torch.equal(tokens, ref_tokens)
+    finally:
+        dt.enable()
 
 
 @pytest.mark.parametrize("family", FOUND)
@@ -240,9 +343,17 @@ class _CudaLike:
 def test_cuda_tensors_go_to_fla_unless_asked():
     """The routing rule on its own (no GPU here): cuda="fla" hands CUDA tensors to transformers' fla binding."""
     seen = []
-    to_fla = dt._recurrence("chunk_gated_delta_rule", lambda q, k, v, **kw: seen.append(kw) or "fla")
+    to_fla = dt._recurrence("chunk_gated_delta_rule", lambda q, k, v, **kw: seen.append(kw) or "fla", to_fla=True)
     assert to_fla(_CudaLike(), None, None, g=1, use_cache=True) == "fla" and seen == [{"g": 1, "use_cache": True}]
     assert dt._recurrence("chunk_gated_delta_rule", None).__wrapped__ is fla_drop_ins.chunk_gated_delta_rule
+    # the kernels form (5.25 on): the layers send CUDA tensors back to transformers' binding after cuda="fla"
+    try:
+        dt.enable(cuda="deltarule")
+        assert not hf_kernels._to_transformers(_CudaLike())
+        dt.enable(cuda="fla")
+        assert hf_kernels._to_transformers(_CudaLike()) and not hf_kernels._to_transformers(_CudaLike(), packed=True)
+    finally:
+        dt.enable()
     with pytest.raises(deltarule.ContractError, match="cuda"):
         dt.enable(cuda="gpu")
 
@@ -321,6 +432,20 @@ def test_bench_model_reports_both_modes(monkeypatch, tmp_path, capsys):
         assert 0 < r["prefill_recurrence_share"] < r["prefill_linear_share"] < 1
         assert 0 < r["decode_recurrence_share"] < r["decode_linear_share"] < 1
         assert r["decode_layer_us"] > r["decode_call_us"] > 0
+
+
+def test_bench_model_refuses_a_family_left_unbound(monkeypatch, capsys):
+    """A family whose binding is not recognised is not benchmarked as if it ran on deltarule."""
+    from deltarule import cli
+
+    module = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", lambda *args, **kwargs: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert cli.main(["bench", "--model", "qwen3_5", "--quick"]) == 2
+    assert "qwen3_5" in capsys.readouterr().err and not dt.enabled()
+    monkeypatch.undo()
+    dt.enable()
 
 
 def test_example_generates_the_same_tokens(capsys):

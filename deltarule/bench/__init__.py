@@ -81,7 +81,11 @@ def main(args: argparse.Namespace) -> int:
         from . import model
 
         meta = _meta(args)
-        result = model.run(args)
+        try:
+            result = model.run(args)
+        except Unsupported as e:          # the family is not bound: nothing to compare (the reason names why)
+            print(f"deltarule bench: {e}", file=sys.stderr)
+            return 2
         print(model.table(result, meta))
         _write_json(args.json, {"meta": meta, "model": result})
         return 0

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import Unsupported
 from . import report
 
 # Sizes: per family, the layers of a public checkpoint with fewer of them.
@@ -95,8 +96,12 @@ def run(args: argparse.Namespace) -> dict:
 
     family = args.model
     prefill_tokens, prompt_tokens, new_tokens = SIZES["quick" if args.quick else "full"]
-    found = dt.enable()
-    recurrences = [b for b in found if b.kernel in dt.FLA_KERNELS]
+    enabled = dt.enable()
+    if family not in enabled.families:
+        dt.disable()
+        raise Unsupported(f"bench --model {family}: deltarule cannot bind this family in the installed "
+                          f"transformers: {enabled.left.get(family, 'it binds none of fla kernels')}")
+    recurrences = [b for b in enabled.bound if b.kernel in dt.FLA_KERNELS]
     try:
         model = build(family)
         layers = _linear_layers(model, recurrences)

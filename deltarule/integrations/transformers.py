@@ -1,30 +1,42 @@
 """transformers' hybrid models on deltarule: `enable()` and every linear-attention layer runs here.
 
-transformers (>= 5) binds the recurrences of its hybrid models once, when a
+transformers (>= 5.15) binds the recurrences of its hybrid models once, when a
 modeling module is imported, through
-``@use_kernel_func_from_hub_with_fallback("<fla function>", "fla")``: fla's
-function when ``import fla`` succeeds (GPU-only: on a CPU every such model then
-fails at its first forward), its own slow PyTorch fallback otherwise. The
-forwards look those module-level names up at every call, so replacing the
-module attributes reaches every model, built before `enable()` or after::
+``@use_kernel_func_from_hub_with_fallback("<fla function>", "fla")``, and the
+layers' forwards look those module-level names up at every call, so rebinding the
+names reaches every model, built before `enable()` or after::
 
     import deltarule.integrations.transformers as dt
-    dt.enable()          # every family of the installed transformers, found from its sources
-    model.generate(...)  # prefill, cached decode, left padding, packed sequences, training
-    dt.disable()         # transformers' own bindings back
+    result = dt.enable()  # every family of the installed transformers, found from its sources
+    model.generate(...)   # prefill, cached decode, left padding, packed sequences, training
+    dt.disable()          # transformers' own bindings back, exactly
 
-What is replaced, per modeling module that binds one of fla's four functions
-(`FLA_KERNELS`): those names (`torch_chunk_gated_delta_rule`,
-`chunk_kimi_delta_attention`, ...) by deltarule's fla drop-ins
-(`deltarule.contracts.fla`), and the module's ``causal_conv1d_fn`` by deltarule's
+How a name is rebound follows the form transformers gives it:
+
+- **5.25 on** (HF ``kernels`` >= 0.19): the name is a *kernelizable function*, an
+  ``nn.Module`` of kernels' (``kernel_layer_name`` = fla's function name). `enable()`
+  kernelizes it, with kernels' own ``kernelize`` and a mapping to deltarule's layers
+  in a local kernel repository (`deltarule.integrations.hf_kernels`); `disable()`
+  puts its previous ``forward`` back. Per model, without `enable()`:
+  ``kernels.kernelize(model, ...)`` inside ``kernels.use_kernel_mapping(hf_kernels.kernel_mapping())``.
+- **5.16 - 5.24**: the name is transformers' wrapper function (the PyTorch fallback
+  as ``__wrapped__``); `enable()` replaces the module attribute.
+
+What is bound, per modeling module that binds one of fla's four functions
+(`FLA_KERNELS`): those names (``torch_chunk_gated_delta_rule``,
+``chunk_kimi_delta_attention``, ...) to deltarule's fla drop-ins
+(`deltarule.contracts.fla`), and the module's ``causal_conv1d_fn`` to deltarule's
 `causal_conv1d`, which keeps packed sequences (``cu_seq_lens_q``) apart and keeps the
-layers' token-major memory (unpacked CUDA tensors still go to the original).
-CUDA tensors go to fla when it is installed (``cuda="fla"``, the default) and to
-deltarule with ``cuda="deltarule"``; every other device always runs deltarule.
+layers' token-major memory. Each family is checked whole before anything is bound: a
+binding of an unknown form, a changed signature or a module that does not import
+leaves that family on transformers' own path with one `RuntimeWarning` (or raises
+with ``strict=True``), and `enable()` returns what it bound and what it left.
+CUDA tensors go to transformers' own binding (fla) by default (``cuda="fla"``) and
+to deltarule with ``cuda="deltarule"``; every other device always runs deltarule.
 
 `torch_fallback()` binds transformers' own PyTorch fallbacks instead (for
-comparisons, also where fla is installed and would fail on a CPU). See
-docs/transformers.md for the families found and the versions tested.
+comparisons, also where fla is installed). See docs/transformers.md for the
+families found and the versions tested.
 """
 
 from __future__ import annotations
@@ -32,10 +44,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
+import logging
 import re
-import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -43,8 +57,9 @@ from typing import Callable, Iterator
 import torch
 
 from ..errors import ContractError, Unsupported
+from ..versions import TESTED
 
-__all__ = ["Binding", "bindings", "enable", "disable", "enabled", "torch_fallback", "causal_conv1d",
+__all__ = ["Binding", "Enabled", "bindings", "enable", "disable", "enabled", "torch_fallback", "causal_conv1d",
            "FLA_KERNELS", "TESTED_VERSIONS"]
 
 # fla's functions that transformers' modeling files bind; deltarule.contracts.fla has each of them.
@@ -52,7 +67,7 @@ FLA_KERNELS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "ch
 # The prefill convolution of the same layers: replaced so that packed sequences stay apart.
 CONV_KERNEL = "causal_conv1d_fn"
 MIN_MAJOR = 5
-TESTED_VERSIONS = ("5.16.1", "5.20.2", "5.24.0")
+TESTED_VERSIONS = TESTED["transformers"]
 
 _DECORATED = re.compile(
     r'@use_kernel_func_from_hub_with_fallback\(\s*"(\w+)"\s*,\s*"(\w+)"[^)]*\)\s*\n\s*def\s+(\w+)')
@@ -119,49 +134,85 @@ def _scan(family: str, module: str, source: str) -> list[Binding]:
             if (kernel in FLA_KERNELS and package == "fla") or kernel == CONV_KERNEL]
 
 
-# (module, attribute) -> transformers' own object, kept while anything else is bound there.
-_originals: dict[tuple[str, str], object] = {}
+# (module, attribute) -> what puts transformers' own binding back, kept while deltarule is bound there.
+_restores: dict[tuple[str, str], Callable[[], None]] = {}
 
 
-def enable(*, cuda: str = "fla") -> tuple[Binding, ...]:
+@dataclass(frozen=True)
+class Enabled:
+    """What `enable()` did: the bindings it replaced, and the families it left on transformers' path.
+
+    ``left`` maps a family to the reason (the attribute and the installed versions).
+    """
+
+    bound: tuple[Binding, ...]
+    left: dict[str, str]
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        return tuple(sorted({b.family for b in self.bound}))
+
+
+def enable(*, cuda: str = "fla", strict: bool = False) -> Enabled:
     """Run the linear-attention layers of every hybrid family in transformers on deltarule.
 
     Args:
-        cuda: ``"fla"`` (default): CUDA tensors go to fla's kernels when fla is
-            installed (to deltarule when it is not); ``"deltarule"``: CUDA tensors
-            run on deltarule too. Tensors on any other device always run on deltarule.
+        cuda: ``"fla"`` (default): CUDA tensors keep transformers' own binding (fla's
+            kernels where installed); ``"deltarule"``: CUDA tensors run on deltarule too.
+            Tensors on any other device always run on deltarule.
+        strict: raise `deltarule.Unsupported` (binding nothing) when a family's binding
+            is not one deltarule recognises, instead of leaving that family on
+            transformers' path with a `RuntimeWarning` naming the family, the
+            attribute and the installed version.
 
-    Returns the bindings replaced. Imports the modeling modules found by
-    `bindings()`; models built before the call are covered (their forwards look
-    the names up per call). Calling it again rebinds with the new ``cuda``.
-    `disable()` restores transformers' bindings.
+    Returns an `Enabled`: ``bound``, the bindings replaced; ``left``, family -> why
+    it stays on transformers' own path. Imports the modeling modules found by
+    `bindings()`; models built before the call are covered. How it binds depends on
+    the installed transformers: from 5.25 on (HF `kernels` bindings) each module-level
+    kernelizable function is kernelized with deltarule's layers
+    (`deltarule.integrations.hf_kernels`, a local kernel repository); on 5.16-5.24
+    the module attribute is replaced. Calling it again rebinds with the new ``cuda``;
+    `disable()` restores exactly what was there.
 
     Raises `deltarule.Unsupported` on a transformers without such bindings, and
     `deltarule.ContractError` for a ``cuda`` other than the two above.
     """
     if cuda not in ("fla", "deltarule"):
         raise ContractError("cuda", "'fla' or 'deltarule'", repr(cuda))
-    to_fla = cuda == "fla" and importlib.util.find_spec("fla") is not None
+    if not isinstance(strict, bool):
+        raise ContractError("strict", "a bool", repr(strict))
     found = bindings()
-    for binding, module, original in _import(found):
-        if binding.kernel == CONV_KERNEL:
-            replacement = _conv(original)
+    _note_untested()
+    resolved, left = _resolve_families(found)
+    if left and strict:
+        raise Unsupported("; ".join(f"{family}: {why}" for family, why in left.items()))
+    for family, why in left.items():
+        warnings.warn(f"deltarule: transformers family {family!r} stays on transformers' own path: {why}",
+                      RuntimeWarning, stacklevel=2)
+    disable()
+    to_fla = cuda == "fla"
+    for binding, module, current in resolved:
+        if _is_kernelizable(current):
+            _restores[(binding.module, binding.attribute)] = _kernelize(binding, current)
         else:
-            replacement = _recurrence(binding.kernel, original if to_fla else None)
-        _bind(binding, module, original, replacement)
-    return found
+            replacement = (_conv(current) if binding.kernel == CONV_KERNEL
+                           else _recurrence(binding.kernel, current, to_fla=to_fla and _fla_installed()))
+            _restores[(binding.module, binding.attribute)] = _replace(module, binding.attribute, replacement)
+    from . import hf_kernels
+    hf_kernels.cuda_to_transformers = to_fla
+    return Enabled(bound=tuple(b for b, _, _ in resolved), left=left)
 
 
 def disable() -> None:
     """Put transformers' own bindings back (a no-op when nothing is bound)."""
-    for (module, attribute), original in _originals.items():
-        setattr(sys.modules[module], attribute, original)
-    _originals.clear()
+    for restore in _restores.values():
+        restore()
+    _restores.clear()
 
 
 def enabled() -> bool:
-    """Whether `enable()` (or `torch_fallback()`) has replaced transformers' bindings."""
-    return bool(_originals)
+    """Whether `enable()` has replaced transformers' bindings."""
+    return bool(_restores)
 
 
 @contextlib.contextmanager
@@ -169,66 +220,218 @@ def torch_fallback() -> Iterator[tuple[Binding, ...]]:
     """Within the block the layers run transformers' own PyTorch fallbacks.
 
     Whatever was bound before (transformers' choice, or deltarule after
-    `enable()`) is bound again on exit. For comparisons: with fla installed,
-    transformers binds fla's GPU-only kernels, which fail on a CPU.
+    `enable()`) is bound again on exit. For comparisons: transformers binds fla's
+    GPU kernels where fla is installed (before 5.25 also for CPU tensors, which fail).
+    Families whose binding is not recognised keep what they have.
     """
     found = bindings()
-    before = {}
-    for binding, module, original in _import(found):
-        before[binding] = getattr(module, binding.attribute)
-        _bind(binding, module, original, original.__wrapped__)
+    resolved, _ = _resolve_families(found)
+    undo = []
+    for binding, module, current in resolved:
+        fallback = _torch_function(current)
+        if _is_kernelizable(current):
+            undo.append(_set_forward(current, fallback))
+        else:
+            undo.append(_replace(module, binding.attribute, fallback))
     try:
-        yield found
+        yield tuple(b for b, _, _ in resolved)
     finally:
-        for binding, current in before.items():
-            setattr(sys.modules[binding.module], binding.attribute, current)
-        if all(current is _originals.get((b.module, b.attribute)) for b, current in before.items()):
-            _originals.clear()
+        for restore in reversed(undo):
+            restore()
 
 
-def _import(found: tuple[Binding, ...]) -> list[tuple[Binding, object, Callable]]:
-    """Each binding with its imported module and transformers' own object for it."""
-    resolved = []
-    for binding in found:
+_log = logging.getLogger(__name__)
+_noted: set[str] = set()
+
+
+def _note_untested() -> None:
+    """One log line per process for a transformers release outside the tested ones (it may work:
+    each binding is still checked, and a family whose binding is not recognised stays on transformers)."""
+    import transformers
+
+    version = transformers.__version__
+    if version not in TESTED_VERSIONS and version not in _noted:
+        _noted.add(version)
+        _log.warning("deltarule: transformers %s is not a release deltarule tests (tested: %s); every binding "
+                     "is checked before it is replaced", version, ", ".join(TESTED_VERSIONS))
+
+
+def _resolve_families(found: tuple[Binding, ...]) -> tuple[list[tuple[Binding, object, object]], dict[str, str]]:
+    """Each binding of the families deltarule can bind, with its module and transformers' object;
+    the other families with the reason. A family is bound whole or not at all."""
+    resolved, left = [], {}
+    for family in sorted({b.family for b in found}):
+        group = [b for b in found if b.family == family]
+        try:
+            resolved += [_resolve(b) for b in group]
+        except Unsupported as why:
+            left[family] = str(why)
+    return resolved, left
+
+
+def _resolve(binding: Binding) -> tuple[Binding, object, object]:
+    """The binding, its imported module and transformers' own object; Unsupported when its form is unknown."""
+    import transformers
+
+    versions = f"transformers {transformers.__version__}{_kernels_version()}"
+    try:
         module = importlib.import_module(binding.module)
-        original = _originals.get((binding.module, binding.attribute), getattr(module, binding.attribute, None))
-        if not callable(getattr(original, "__wrapped__", None)):
-            raise Unsupported(
-                f"{binding.module}.{binding.attribute} is not a use_kernel_func_from_hub_with_fallback binding "
-                f"with a torch fallback in this transformers (tested: {', '.join(TESTED_VERSIONS)})")
-        resolved.append((binding, module, original))
-    return resolved
+    except Exception as error:  # a modeling module that does not import is that family's problem only
+        raise Unsupported(f"{binding.module} does not import ({type(error).__name__}: {error}; {versions})") from None
+    original = _unwrapped_original(getattr(module, binding.attribute, None))
+    where = f"{binding.module}.{binding.attribute}"
+    if _is_kernelizable(original):
+        from . import hf_kernels
+        if getattr(type(original), "kernel_layer_name", None) != binding.kernel:
+            raise Unsupported(f"{where} is kernels' function {type(original).kernel_layer_name!r}, not "
+                              f"{binding.kernel!r} ({versions})")
+        why = hf_kernels.matches(original, binding.kernel)
+        if why is None and _torch_function(original, strict=False) is None:
+            why = "its PyTorch fallback cannot be found in the kernels binding"
+        if why is not None:
+            raise Unsupported(f"{where}: {why} ({versions}; tested: {', '.join(TESTED_VERSIONS)})")
+        return binding, module, original
+    if not callable(getattr(original, "__wrapped__", None)):
+        raise Unsupported(
+            f"{where} is not a use_kernel_func_from_hub_with_fallback binding with a torch fallback "
+            f"({type(original).__name__}; {versions}; tested: {', '.join(TESTED_VERSIONS)})")
+    return binding, module, original
 
 
-def _bind(binding: Binding, module, original, replacement) -> None:
-    _originals.setdefault((binding.module, binding.attribute), original)
-    setattr(module, binding.attribute, replacement)
+def _is_kernelizable(obj) -> bool:
+    """A kernels ``Func``: the form of transformers' bindings from 5.25 on (an nn.Module with a layer name)."""
+    return isinstance(obj, torch.nn.Module) and isinstance(getattr(type(obj), "kernel_layer_name", None), str)
 
 
-def _recurrence(kernel: str, fla_binding: Callable | None) -> Callable:
+def _kernels_version() -> str:
+    try:
+        return f", kernels {importlib.metadata.version('kernels')}"
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def _fla_installed() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def _replace(module, attribute: str, replacement) -> Callable[[], None]:
+    """Set a module attribute; returns what puts the previous object back."""
+    previous = getattr(module, attribute)
+    setattr(module, attribute, replacement)
+    return lambda: setattr(module, attribute, previous)
+
+
+def _snapshot(func: torch.nn.Module) -> Callable[[], None]:
+    """What puts a kernelizable function's kernelization (its instance forward and repository) back."""
+    keys = ("forward", "_kernel_repo")
+    saved = {key: func.__dict__[key] for key in keys if key in func.__dict__}
+
+    def restore():
+        for key in keys:
+            func.__dict__.pop(key, None)
+        func.__dict__.update(saved)
+    return restore
+
+
+def _set_forward(func: torch.nn.Module, forward) -> Callable[[], None]:
+    """Give a kernelizable function an instance forward (as kernelize does); returns the undo."""
+    restore = _snapshot(func)
+    func.__dict__.pop("_kernel_repo", None)
+    func.__dict__["forward"] = forward
+    return restore
+
+
+def _kernelize(binding: Binding, func: torch.nn.Module) -> Callable[[], None]:
+    """kernels' `kernelize` of one module-level function with deltarule's layer; returns the undo.
+
+    The function is a module, so kernelizing it reaches every model (their layers call it
+    by its module-level name). The mapping is used for this call only: registering it
+    globally would also kernelize later `from_pretrained` models, which `disable()` could
+    not undo.
+    """
+    import kernels
+
+    from . import hf_kernels
+
+    undo = _snapshot(func)
+    mapping = {binding.kernel: hf_kernels.kernel_mapping()[binding.kernel]}
+    with kernels.use_kernel_mapping(mapping, inherit_mapping=False):
+        kernels.kernelize(func, mode=kernels.Mode.TRAINING | kernels.Mode.TORCH_COMPILE, device="cpu",
+                          use_fallback=False)
+    bound = getattr(func.__dict__.get("forward"), "__func__", None)
+    if bound is not hf_kernels.LAYERS[binding.kernel].forward:
+        undo()
+        raise Unsupported(f"kernels did not bind deltarule's layer to {binding.module}.{binding.attribute} "
+                          f"(DISABLE_KERNEL_MAPPING set?{_kernels_version()})")
+    return undo
+
+
+def _torch_function(current, *, strict: bool = True):
+    """transformers' PyTorch fallback behind a binding (the function the decorator wrapped)."""
+    if _is_kernelizable(current):
+        # kernels' Func.forward closes over transformers' wrapper, which functools.wraps the fallback
+        try:
+            wrapper = inspect.getclosurevars(type(current).forward).nonlocals.get("func")
+        except (TypeError, ValueError):
+            wrapper = None
+        fallback = getattr(wrapper, "__wrapped__", None)
+    else:
+        fallback = getattr(_unwrapped_original(current), "__wrapped__", None)
+    if fallback is None and strict:
+        raise Unsupported(f"no PyTorch fallback found behind {current!r}")
+    return fallback
+
+
+def _unwrapped_original(current):
+    """transformers' own object behind deltarule's replacement (before 5.25), else `current` itself."""
+    return getattr(current, "_deltarule_original", current)
+
+
+def call_drop_in(kernel: str, q, k, v, kwargs: dict):
     """deltarule's drop-in for fla's `kernel`, called the way transformers' wrapper calls fla.
 
     Like transformers' wrapper, keywords the function does not name (``use_cache``,
-    ``cu_seq_lens_k``, ``max_length_q``, ...) are dropped. The KDA layers leave
-    the packed sequences' ``cu_seq_lens_q`` unrenamed: it becomes ``cu_seqlens``.
-    With `fla_binding` (transformers' binding to fla), CUDA tensors go there.
+    ``cu_seq_lens_k``, ``max_length_q``, ...) are dropped. The KDA layers leave the
+    packed sequences' ``cu_seq_lens_q`` unrenamed: it becomes ``cu_seqlens``.
     """
-    from ..contracts import fla as drop_ins
+    function, named = _drop_in(kernel)
+    if kwargs.get("cu_seqlens") is None and kwargs.get("cu_seq_lens_q") is not None:
+        kwargs = {**kwargs, "cu_seqlens": kwargs["cu_seq_lens_q"]}
+    return function(q, k, v, **{name: value for name, value in kwargs.items() if name in named})
 
-    function = getattr(drop_ins, kernel)
-    named = frozenset(name for name, parameter in inspect.signature(function).parameters.items()
-                      if parameter.kind is not parameter.VAR_KEYWORD)
+
+# kernel -> (deltarule's drop-in, the keywords it names); a dict, not lru_cache, which Dynamo warns about
+_DROP_INS: dict[str, tuple[Callable, frozenset]] = {}
+
+
+def _drop_in(kernel: str) -> tuple[Callable, frozenset]:
+    if kernel not in _DROP_INS:
+        from ..contracts import fla as drop_ins
+
+        function = getattr(drop_ins, kernel)
+        _DROP_INS[kernel] = function, frozenset(name for name, p in inspect.signature(function).parameters.items()
+                                                if p.kind is not p.VAR_KEYWORD)
+    return _DROP_INS[kernel]
+
+
+def _recurrence(kernel: str, original: Callable | None, *, to_fla: bool = False) -> Callable:
+    """The module attribute bound before 5.25: deltarule's drop-in for fla's `kernel`.
+
+    `original` is transformers' binding; with `to_fla` (it binds fla) CUDA tensors go there.
+    """
+    fla_binding = original if to_fla else None
+    fla_binding_original = original
+    from ..contracts import fla as drop_ins
 
     def recurrence(q, k, v, **kwargs):
         if fla_binding is not None and q.is_cuda:
             return fla_binding(q, k, v, **kwargs)
-        if kwargs.get("cu_seqlens") is None and kwargs.get("cu_seq_lens_q") is not None:
-            kwargs["cu_seqlens"] = kwargs["cu_seq_lens_q"]
-        return function(q, k, v, **{name: value for name, value in kwargs.items() if name in named})
+        return call_drop_in(kernel, q, k, v, kwargs)
 
     recurrence.__name__ = recurrence.__qualname__ = f"deltarule_{kernel}"
     recurrence.__doc__ = f"deltarule.contracts.fla.{kernel}, bound by deltarule.integrations.transformers."
-    recurrence.__wrapped__ = function
+    recurrence.__wrapped__ = getattr(drop_ins, kernel)
+    recurrence._deltarule_original = fla_binding_original
     return recurrence
 
 
@@ -246,6 +449,7 @@ def _conv(original: Callable) -> Callable:
         return causal_conv1d(hidden_states, weight, bias, activation=activation, cu_seqlens=cu_seqlens)
 
     causal_conv1d_fn.__wrapped__ = original
+    causal_conv1d_fn._deltarule_original = original
     return causal_conv1d_fn
 
 
