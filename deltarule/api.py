@@ -218,7 +218,9 @@ def _call(q, k, v, rule, g, gk, beta, erase, write, scale, initial_state, state_
             and num_accepted_tokens is None and (backend == "auto" or backend == "cpu"):
         # the launch of this call signature, validated when first seen (`_launch`). Only all-CPU
         # signatures keep a launch (is_cpu stands for the device); inputs that need grad make
-        # their own signature (which keeps none)
+        # their own signature (which keeps none). Scalars are keyed with their types: True == 1 and
+        # 0 == False (equal, same hash) but validation refuses a bool scale, chunk_size or
+        # l2norm_eps and an int flag, so a kept launch of one may not answer for the other
         try:
             key = (q.shape, q.is_contiguous(), q.dtype, q.is_cpu, k.shape, k.is_contiguous(), k.dtype, k.is_cpu,
                    v.shape, v.is_contiguous(), v.dtype, v.is_cpu,
@@ -234,7 +236,8 @@ def _call(q, k, v, rule, g, gk, beta, erase, write, scale, initial_state, state_
                                                        initial_state.dtype, initial_state.is_cpu),
                    _is_grad_enabled() and _needs_grad(q, k, v, g, gk, beta, erase, write, A_log, dt_bias,
                                                       initial_state),
-                   rule, scale, state_layout, qk_l2norm, l2norm_eps, beta_sigmoid, chunk_size, backend, accept_growth)
+                   rule, scale, state_layout, qk_l2norm, l2norm_eps, beta_sigmoid, chunk_size, backend, accept_growth,
+                   type(scale), type(qk_l2norm), type(l2norm_eps), type(beta_sigmoid), type(chunk_size))
             launch = plan._cache[key]
         except KeyError:
             launch = plan.cached(key, lambda: _launch(

@@ -22,6 +22,7 @@ twin, a loop over sequences.
 
 from __future__ import annotations
 
+import numbers
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ from .kernels import cpu_conv
 ACTIVATIONS = (None, "silu")
 BACKENDS = ("auto", "cpu", "torch")
 _STATE_TYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INPUT_TYPES = _STATE_TYPES          # x, weight, bias: the arithmetic is float32 (float64: reference_conv1d_slab)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,20 @@ class ConvPlan:
     table: torch.Tensor          # [N, 5] int64 (start, length, read row or -1, read column, write row or -1)
     rolling: bool
     crossed: bool                # a sequence writes a slab row another sequence reads
+    read_rows: tuple[int, ...] = ()    # plan_conv's rows as given (fresh ones included)
+    write_rows_given: tuple[int, ...] = ()
+    slots: int = 0               # the slab rows a call needs: 1 + the largest row given (read or write)
+
+    def check_slab(self, slots: int) -> None:
+        """Refuse a conv_state of `slots` rows that a row of the plan lies beyond (ContractError
+        naming the row): checked per call, before any work, as the plan holds no slab."""
+        if self.slots <= slots:
+            return
+        for name, rows in (("read_rows", self.read_rows), ("write_rows", self.write_rows_given)):
+            for n, r in enumerate(rows):
+                if r >= slots:
+                    raise ContractError("plan", f"slab rows < {slots} (conv_state's row count; negative: "
+                                        "padding)", f"{name}[{n}] = {r}")
 
 
 def plan_conv(lengths: list[int], *, width: int, read_rows: list[int], write_rows: list[int],
@@ -61,30 +77,53 @@ def plan_conv(lengths: list[int], *, width: int, read_rows: list[int], write_row
     """The gather indices of a call over sequences of `lengths` (packed in order).
 
     Args:
-        lengths: [N] token counts, >= 0 (a sequence of 0 tokens is skipped: nothing read or
-            written).
-        width: W, the taps per channel (>= 1).
-        read_rows / write_rows: [N] slab rows (vLLM reads and writes one row per sequence).
-        fresh: [N] True where the sequence has no prior (reads zeros); default none. A
-            negative read row reads zeros too; a negative write row writes nothing.
+        lengths: [N] token counts, ints >= 0 (a sequence of 0 tokens is skipped: its output
+            is empty and it writes nothing).
+        width: W, the taps per channel (an int >= 1).
+        read_rows / write_rows: [N] slab rows, ints (vLLM reads and writes one row per
+            sequence); each must be < the slab's row count, checked per call (the plan holds
+            no slab). The write rows of sequences with tokens must be distinct.
+        fresh: [N] bools, True where the sequence has no prior (reads zeros); default none. A
+            negative read row reads zeros too; a negative write row writes nothing (padding:
+            negative rows may repeat).
         accepted: [N] accepted-token counts >= 1 of the rolling convention; None: plain.
-        columns: S, the slab's column count; default W - 1 (plain), required with `accepted`.
+        columns: S, the slab's columns the plan uses; default W - 1 (with `accepted`, give the
+            rolling rows' W - 1 + draft tokens).
+
+    Raises ContractError naming the argument (and the entry) for any invalid one.
     """
-    N, W = len(lengths), width
-    if W < 1:
-        raise ContractError("width", ">= 1", W)
-    S = W - 1 if columns is None else columns
-    if len(read_rows) != N or len(write_rows) != N:
+    N = _length("lengths", lengths)
+    lengths = _ints("lengths", lengths, N, low=0)
+    W = _int("width", width, low=1)
+    if _length("read_rows", read_rows) != N or _length("write_rows", write_rows) != N:
         raise ContractError("read_rows / write_rows", f"{N} rows each", (len(read_rows), len(write_rows)))
+    read_rows = _ints("read_rows", read_rows, N)
+    write_rows = _ints("write_rows", write_rows, N)
+    if fresh is not None:
+        if _length("fresh", fresh) != N or not all(isinstance(f, bool) for f in fresh):
+            raise ContractError("fresh", f"None or {N} bools (one per sequence)", _shown(fresh))
+    S = W - 1 if columns is None else _int("columns", columns, low=0)
     if S < W - 1:
         raise ContractError("columns", f">= width - 1 = {W - 1}", S)
-    if accepted is not None and any(not 1 <= a <= S - W + 2 for a in accepted):
-        raise ContractError("accepted", f"in [1, {S - W + 2}]", accepted)
+    if accepted is not None:
+        accepted = _ints("accepted", accepted, N)
+        if any(not 1 <= a <= S - W + 2 for a in accepted):
+            raise ContractError("accepted", f"in [1, {S - W + 2}]", accepted)
     if accepted is not None and W < 2:
         raise ContractError("width", ">= 2 with the rolling convention", W)
     if accepted is not None and any(W - 2 + L > S for L in lengths):
         raise ContractError("lengths", f"<= {S - W + 2} (W - 2 + L within the {S} columns of a rolling row)",
                             lengths)
+    # the rows written (sequences with tokens and a write row >= 0) must be distinct: two sequences
+    # writing one row would race (the cpu form's tasks run in any order); negative rows are padding
+    # and a sequence of 0 tokens writes nothing, as with linear_attention's per-token rows
+    writer = {}
+    for n, (L, r) in enumerate(zip(lengths, write_rows)):
+        if L > 0 and r >= 0:
+            if r in writer:
+                raise ContractError(f"write_rows[{n}]", "distinct slab rows among the sequences with tokens "
+                                    "(negative: padding, may repeat)", f"{r} repeated (also write_rows[{writer[r]}])")
+            writer[r] = n
     live = [n for n in range(N) if lengths[n] > 0 and write_rows[n] >= 0]
     lens = torch.tensor(lengths, dtype=torch.long)
     T = int(lens.sum())
@@ -113,11 +152,54 @@ def plan_conv(lengths: list[int], *, width: int, read_rows: list[int], write_row
     reads = [-1 if f else r for f, r in zip(fresh or [False] * N, read_rows)]
     table = torch.stack((starts, lens, torch.tensor(reads, dtype=torch.long), offsets,
                          torch.tensor(write_rows, dtype=torch.long)), dim=1)
-    # sequences run in order, so only a row written before a later sequence reads it is a hazard
-    # (conservatively: a row some other sequence reads last)
-    last_reader = {r: n for n, r in enumerate(reads) if r >= 0}
-    crossed = any(last_reader.get(write_rows[n], n) != n for n in live)
-    return ConvPlan(W, S, taps, w_rows, cols[keep], src[keep], T, table.contiguous(), accepted is not None, crossed)
+    # a row one sequence writes and another reads: the cpu form's (sequence, channel block) tasks run
+    # on several threads in any order, so every prior must be gathered first (a sequence reading
+    # the row it writes reads its own block before writing it)
+    readers: dict[int, set[int]] = {}
+    for m, r in enumerate(reads):
+        if r >= 0:
+            readers.setdefault(r, set()).add(m)
+    crossed = any(readers.get(write_rows[n], {n}) - {n} for n in live)
+    return ConvPlan(W, S, taps, w_rows, cols[keep], src[keep], T, table.contiguous(), accepted is not None, crossed,
+                    tuple(read_rows), tuple(write_rows), 1 + max((*read_rows, *write_rows), default=-1))
+
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _shown(values):
+    """A value for an error message: short sequences as a list, long ones by their length."""
+    try:
+        return list(values) if len(values) <= 16 else f"{type(values).__name__} of {len(values)}"
+    except TypeError:
+        return repr(values)
+
+
+def _length(name: str, values) -> int:
+    """len(values) of a list argument, or ContractError."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or not hasattr(values, "__iter__"):
+        raise ContractError(name, "a list", type(values).__name__)
+    return len(values)
+
+
+def _int(name: str, x, *, low: int | None = None) -> int:
+    """An int argument (not a bool: True is not a width), in int64 and >= low."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not _INT64[0] <= x <= _INT64[1] \
+            or (low is not None and x < low):
+        raise ContractError(name, "an int" + (f" >= {low}" if low is not None else " (int64)"), repr(x))
+    return int(x)
+
+
+def _ints(name: str, values, n: int, *, low: int | None = None) -> list[int]:
+    """A list argument of n ints (see `_int`), as a list of Python ints."""
+    if _length(name, values) != n:
+        raise ContractError(name, f"{n} entries (one per sequence)", _shown(values))
+    out = []
+    for i, x in enumerate(values):
+        out.append(_int(f"{name}[{i}]", x, low=low))
+    if low == 0 and sum(out) > _INT64[1]:
+        raise ContractError(name, "a total within int64", sum(out))
+    return out
 
 
 def causal_conv1d_slab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
@@ -126,12 +208,15 @@ def causal_conv1d_slab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     """Depthwise causal convolution of packed sequences, reading and updating `conv_state`.
 
     Args:
-        x: [T, C] token-major inputs (any strides), float32 / bfloat16 / float16.
-        weight: [C, W] taps; weight[:, W - 1] multiplies the current token.
-        bias: [C] or None.
+        x: [T, C] token-major inputs (any strides), float32 / bfloat16 / float16 (float64:
+            `reference_conv1d_slab`).
+        weight: [C, W] taps, float32 / bfloat16 / float16; weight[:, W - 1] multiplies the
+            current token.
+        bias: [C] or None, float32 / bfloat16 / float16.
         conv_state: [slots, S', C] slab (any strides: vLLM's [slots, C, S'] memory is passed as
-            its transpose), x's dtype or float32; the plan's rows are updated IN PLACE.
-        plan: from `plan_conv` (S <= S').
+            its transpose), x's dtype or float32, sharing no memory with itself, x, weight or
+            bias; the plan's rows are updated IN PLACE.
+        plan: from `plan_conv` (S <= S'; every row it names < slots).
         activation: None or "silu".
         backend: "cpu" (the native kernel, csrc/conv.c: CPU tensors, x with channel stride 1,
             W <= 16), "torch" (gathers, any device), or "auto" (default): cpu where it applies.
@@ -145,6 +230,9 @@ def causal_conv1d_slab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
     Returns [T, C] (or the `splits` tuple of [T, C_i]) in x's dtype, computed in float32:
     out[t] = act(bias + sum_j weight[:, j] * input(t - (W - 1) + j)).
+
+    Raises ContractError for any invalid argument, before any work (nothing written); also
+    with autograd on and an argument that requires grad (not differentiable).
 
     >>> plan = plan_conv([2], width=2, read_rows=[0], write_rows=[0])
     >>> state = torch.full((1, 1, 1), 10.)
@@ -162,21 +250,27 @@ def causal_conv1d_slab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                       gather=plan.crossed, splits=parts)
         views = _views(flat, T, parts)
         return views[0] if splits is None else views
-    read = plan.table[:, 2]                                       # -1: no prior, zeros
-    prior = conv_state.index_select(0, read.clamp(min=0))[:, :S].float()
-    prior[read < 0] = 0
-    src = torch.cat((prior.reshape(-1, C), x.float()))
+    # the plan's tables live on the host: gathers on another device take their indices there
+    device = x.device
+    read = plan.table[:, 2].to(device)                            # -1: no prior, zeros
+    taps = plan.taps.to(device)
+    if conv_state.shape[0]:
+        prior = conv_state.index_select(0, read.clamp(min=0))[:, :S].float()
+        prior[read < 0] = 0
+    else:                                                         # a slab of no rows: every row is padding
+        prior = torch.zeros(read.shape[0], S, C, device=device)
+    src = torch.cat((prior.reshape(prior.shape[0] * S, C), x.float()))
     w = weight.float()
-    acc = src.index_select(0, plan.taps[W - 1]) * w[:, W - 1]
+    acc = src.index_select(0, taps[W - 1]) * w[:, W - 1]
     for j in range(W - 1):
-        acc.addcmul_(src.index_select(0, plan.taps[j]), w[:, j])
+        acc.addcmul_(src.index_select(0, taps[j]), w[:, j])
     if bias is not None:
         acc += bias.float()
     if activation == "silu":
         acc = F.silu(acc, inplace=True)
     if plan.write_rows.numel():
-        conv_state.index_put_((plan.write_rows, plan.write_cols),
-                              src.index_select(0, plan.write_src).to(conv_state.dtype))
+        conv_state.index_put_((plan.write_rows.to(device), plan.write_cols.to(device)),
+                              src.index_select(0, plan.write_src.to(device)).to(conv_state.dtype))
     results = acc.split(list(parts), dim=1)
     if out is None:
         results = tuple(r.to(x.dtype).contiguous() for r in results)
@@ -198,33 +292,73 @@ def _views(flat: torch.Tensor, T: int, parts: tuple[int, ...]) -> tuple[torch.Te
 
 
 def _checked(x, weight, bias, conv_state, plan, activation, backend, splits, out):
-    """`causal_conv1d_slab`'s argument checks: (T, C, W, S, the output parts' channel counts,
-    whether the cpu form takes the call) or ContractError."""
-    if activation not in ACTIVATIONS:
-        raise ContractError("activation", f"one of {ACTIVATIONS}", activation)
-    if backend not in BACKENDS:
-        raise ContractError("backend", f"one of {BACKENDS}", backend)
+    """`causal_conv1d_slab`'s argument checks, every one before any work: (T, C, W, S, the
+    output parts' channel counts, whether the cpu form takes the call) or ContractError."""
+    if not (activation is None or isinstance(activation, str)) or activation not in ACTIVATIONS:
+        raise ContractError("activation", f"one of {ACTIVATIONS}", repr(activation))
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ContractError("backend", f"one of {BACKENDS}", repr(backend))
+    if not isinstance(plan, ConvPlan):
+        raise ContractError("plan", "a deltarule.conv.ConvPlan (plan_conv)", type(plan).__name__)
+    _tensor("x", x, 2, _INPUT_TYPES, "[T, C]")
+    device = x.device
     T, C = x.shape
     W, S = plan.width, plan.columns
-    if T != plan.tokens or weight.shape != (C, W) or conv_state.shape[1] < S or conv_state.shape[2] != C:
-        raise ContractError("x / weight / conv_state", f"[{plan.tokens}, C], [C, {W}], [slots, >= {S}, C]",
-                            (tuple(x.shape), tuple(weight.shape), tuple(conv_state.shape)))
-    native = (x.device.type == "cpu" and conv_state.device.type == "cpu" and x.stride(1) == 1 and W <= 16
-              and conv_state.dtype in _STATE_TYPES and cpu_conv.available())
+    if T != plan.tokens:
+        raise ContractError("x", f"[T, C] with T = {plan.tokens} (the plan's tokens)", tuple(x.shape))
+    _tensor("weight", weight, 2, _INPUT_TYPES, f"[C, W] = [{C}, {W}]", device, (C, W))
+    if bias is not None:
+        _tensor("bias", bias, 1, _INPUT_TYPES, f"[C] = [{C}]", device, (C,))
+    _tensor("conv_state", conv_state, 3, _STATE_TYPES, f"[slots, S >= {S}, C = {C}]", device)
+    if conv_state.shape[1] < S or conv_state.shape[2] != C:
+        raise ContractError("conv_state", f"[slots, S >= {S}, C = {C}]", tuple(conv_state.shape))
+    if conv_state.dtype not in (x.dtype, torch.float32):
+        raise ContractError("conv_state", f"x's dtype {x.dtype} or torch.float32", conv_state.dtype)
+    plan.check_slab(conv_state.shape[0])
+    if torch.is_grad_enabled():
+        for name, t in (("x", x), ("weight", weight), ("bias", bias), ("conv_state", conv_state)):
+            if t is not None and t.requires_grad:
+                raise ContractError(name, "a tensor that does not require grad, or autograd off (the convolution "
+                                    "is not differentiable: conv_state is updated in place)", "requires_grad=True")
+    native = (device.type == "cpu" and x.stride(1) == 1 and W <= 16 and cpu_conv.available())
     if backend == "cpu" and not native:
+        why = (f"x on {device}" if device.type != "cpu" else f"x's channel stride {x.stride(1)}"
+               if x.stride(1) != 1 else f"W = {W}" if W > 16 else "the native kernel not built")
         raise ContractError("backend", "'cpu' for CPU tensors with x's channel stride 1 and W <= 16 "
-                            "(and the native kernel built)", backend)
-    parts = (C,) if splits is None else tuple(splits)
-    if sum(parts) != C or not 1 <= len(parts) <= cpu_conv.MAX_PARTS or min(parts) < 1:
+                            "(and the native kernel built)", f"'cpu' with {why}")
+    if splits is None:
+        parts = (C,)                                 # C = 0 too: a [T, 0] output
+    elif not isinstance(splits, (tuple, list)) or not 1 <= len(splits) <= cpu_conv.MAX_PARTS \
+            or any(isinstance(p, bool) or not isinstance(p, numbers.Integral) or p < 1 for p in splits) \
+            or sum(splits) != C:
         raise ContractError("splits", f"1 to {cpu_conv.MAX_PARTS} positive channel counts summing to {C}", splits)
-    if out is not None and (out.dim() != 1 or not out.is_contiguous() or out.numel() < T * C
-                            or out.dtype != x.dtype or out.device != x.device):
-        raise ContractError("out", f"a contiguous 1-D {x.dtype} tensor on {x.device} of >= {T * C} elements",
-                            (tuple(out.shape), out.dtype, str(out.device), out.is_contiguous()))
+    else:
+        parts = tuple(int(p) for p in splits)
+    if out is not None and (not isinstance(out, torch.Tensor) or out.dim() != 1 or not out.is_contiguous()
+                            or out.numel() < T * C or out.dtype != x.dtype or out.device != device):
+        raise ContractError("out", f"a contiguous 1-D {x.dtype} tensor on {device} of >= {T * C} elements",
+                            (tuple(out.shape), out.dtype, str(out.device), out.is_contiguous())
+                            if isinstance(out, torch.Tensor) else type(out).__name__)
+    # conv_state is written after every read of x, weight and bias (a view of the slab among them
+    # would be read after a write), and so is out
+    aliasing.check_written("conv_state", conv_state, (("x", x), ("weight", weight), ("bias", bias)))
     if out is not None:
         aliasing.check_written("out", out[:T * C], (("x", x), ("weight", weight), ("bias", bias),
                                                     ("conv_state", conv_state)))
     return T, C, W, S, parts, native
+
+
+def _tensor(name, t, rank, dtypes, shape, device=None, exact=None):
+    """A tensor argument of `rank`, one of `dtypes`, on `device`, of shape `exact` where given
+    (`shape`: the expected shape in words), or ContractError."""
+    if not isinstance(t, torch.Tensor):
+        raise ContractError(name, "a torch.Tensor", type(t).__name__)
+    if t.dim() != rank or (exact is not None and tuple(t.shape) != exact):
+        raise ContractError(name, shape, tuple(t.shape))
+    if t.dtype not in dtypes:
+        raise ContractError(name, "dtype " + " / ".join(str(d) for d in dtypes), t.dtype)
+    if device is not None and t.device != device:
+        raise ContractError(name, f"device {device} (x's)", t.device)
 
 
 class KeptConv:

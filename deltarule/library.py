@@ -10,7 +10,9 @@ break, `fullgraph=True` included:
   which recomputes the call with its inputs requiring grad and runs the backend's own
   reverse kernel (`torch.autograd.grad` through the eager path).
 - ``deltarule::linear_attention_slab``: a slab call (``state_indices``, or a plan with slab
-  rows); updates ``initial_state`` in place (declared mutated) and returns ``o``.
+  rows); updates ``initial_state`` in place (declared mutated) and returns ``o``. Preceded by
+  ``deltarule::check_slab`` (no outputs, kept by dead-code elimination): the aliasing rule on the
+  caller's tensors, which a functionalized graph does not hand the slab op.
 
 The ops' arguments are `linear_attention`'s, but a plan travels as its ``handle`` (a
 one-element tensor the plan owns; the op finds the plan by its address,
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import torch
 
+from . import aliasing
 from .batch import plan_of_handle
 
 
@@ -109,6 +112,31 @@ def _(q, k, v, g, gk, beta, erase, write, initial_state, cu_seqlens, seq_lens, s
       beta_sigmoid, chunk_size, backend, accept_growth):
     B, T, Hq, _ = q.shape
     return v.new_empty(B, T, max(Hq, v.shape[2]), v.shape[3])
+
+
+@torch.library.custom_op("deltarule::check_slab", mutates_args=())
+def check_slab(
+    initial_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
+    gk: torch.Tensor | None, beta: torch.Tensor | None, erase: torch.Tensor | None, write: torch.Tensor | None,
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+) -> None:
+    """The aliasing rule of a slab call (`aliasing.check_written`, as `api.validate` applies it),
+    on the tensors the compiled code holds before ``linear_attention_slab`` runs. That op sees
+    the caller's slab only where the graph is not functionalized: under AOT autograd without
+    reinplacing (``backend="aot_eager"``) it is handed a copy of the slab, which no input
+    shares, so an input that is a view of the slab was accepted there."""
+    aliasing.check_written("initial_state", initial_state, (
+        ("q", q), ("k", k), ("v", v), ("g", g), ("gk", gk), ("beta", beta), ("erase", erase), ("write", write),
+        ("A_log", A_log), ("dt_bias", dt_bias)))
+
+
+@check_slab.register_fake
+def _(initial_state, q, k, v, g, gk, beta, erase, write, A_log, dt_bias):
+    return None
+
+
+# returns nothing: without this, dead-code elimination drops it from the functionalized graph
+torch.fx.node.has_side_effect(torch.ops.deltarule.check_slab.default)
 
 
 # The inputs a gradient reaches, by their position among linear_attention's arguments.
@@ -191,6 +219,8 @@ def call(q, k, v, rule, g, gk, beta, erase, write, scale, initial_state, state_l
     handle = None if plan is None else plan.handle
     slab = state_indices is not None or (plan is not None and plan.in_place)
     if slab:
+        if isinstance(initial_state, torch.Tensor):      # refused before the slab op runs (its check sees a copy)
+            check_slab(initial_state, q, k, v, g, gk, beta, erase, write, A_log, dt_bias)
         o = linear_attention_slab(q, k, v, g, gk, beta, erase, write, initial_state, cu_seqlens, seq_lens,
                                   state_indices, num_accepted_tokens, handle, A_log, dt_bias, rule, scale,
                                   state_layout, qk_l2norm, l2norm_eps, beta_sigmoid, chunk_size, backend,

@@ -66,7 +66,7 @@ def test_fullgraph_with_a_plan_updates_the_slab_as_eager(T, backend):
         o, state = fn(args["q"], args["k"], args["v"], args["g"], args["beta"], slab, plan, backend)
         assert state is slab or torch.equal(state, slab)
         assert rel(o, 2 * torch.as_tensor(want_o)) < 1e-5 and rel(slab, want_slab) < 1e-5, step
-    assert graphs.ops() == ["deltarule.linear_attention_slab.default"]
+    assert graphs.ops() == ["deltarule.check_slab.default", "deltarule.linear_attention_slab.default"]
 
 
 def test_a_plan_reaches_the_op_as_its_handle_only():
@@ -137,3 +137,32 @@ def test_an_invalid_call_is_refused_when_the_compiled_code_runs_it():
     with pytest.raises(ContractError, match="scale"):
         torch.compile(lambda a: deltarule.linear_attention(**a, scale=1e39), fullgraph=True)(
             {n: args[n] for n in ("q", "k", "v", "g", "beta")})
+
+
+@pytest.mark.parametrize("dynamo_backend", ["eager", "aot_eager", "inductor"])
+def test_a_slab_an_input_views_is_refused_under_every_dynamo_backend(dynamo_backend):
+    """k a view of a slab row, made inside the compiled function: refused as in eager code, the
+    slab bit-identical. Under aot_eager the slab op is handed a copy of the slab (the graph is
+    functionalized, not reinplaced), so the check runs before it (`library.check_slab`)."""
+    args = decode_inputs()
+    plan = deltarule.plan_batch(2, 1, state_indices=torch.tensor([4, 1]), num_slots=SLOTS)
+
+    def step(q, v, g, beta, slab, plan):
+        k = slab[4].reshape(-1)[:q.numel()].view(q.shape)
+        o, _ = deltarule.linear_attention(q, k, v, g=g, beta=beta, initial_state=slab, plan=plan)
+        return o
+
+    torch._dynamo.reset()
+    fn = torch.compile(step, fullgraph=True, backend=dynamo_backend)
+    slab = args["initial_state"].clone()
+    before = slab.clone()
+    with pytest.raises(ContractError, match=r"^initial_state: .*no input shares.*k shares"):
+        fn(args["q"], args["v"], args["g"], args["beta"], slab, plan)
+    assert torch.equal(slab, before), "a refused call modified the slab"
+    # the same compiled function with a k of its own runs (the check passes it)
+    fn = torch.compile(lambda q, k, v, g, beta, slab, plan: gated(q, k, v, g, beta, slab, plan, "auto")[0],
+                       fullgraph=True, backend=dynamo_backend)
+    want_o, want_slab = expected({**args, "state_indices": torch.tensor([4, 1])})
+    o = fn(args["q"], args["k"], args["v"], args["g"], args["beta"], slab, plan)
+    assert rel(o, 2 * torch.as_tensor(want_o)) < 1e-5 and rel(slab, want_slab) < 1e-5
+    torch._dynamo.reset()

@@ -101,6 +101,43 @@ def test_a_new_signature_is_validated(backend):
                                       "g": args["g"][:1], "beta": args["beta"][:1]}, plan=plan, backend=backend)
 
 
+# a valid scalar, then one equal to it (same hash) of a type validation refuses
+EQUAL_BUT_INVALID = {
+    "scale-True-after-1": ("scale", 1, True),
+    "scale-False-after-0": ("scale", 0, False),
+    "qk_l2norm-0-after-False": ("qk_l2norm", False, 0),
+    "qk_l2norm-1-after-True": ("qk_l2norm", True, 1),
+    "beta_sigmoid-0-after-False": ("beta_sigmoid", False, 0),
+    "beta_sigmoid-1.0-after-True": ("beta_sigmoid", True, 1.0),
+    "chunk_size-True-after-1": ("chunk_size", 1, True),
+    "l2norm_eps-False-after-0": ("l2norm_eps", 0, False),
+    "l2norm_eps-False-after-0.0": ("l2norm_eps", 0.0, False),
+}
+
+
+@pytest.mark.parametrize("with_plan", [True, False], ids=["plan", "index-tensors"])
+@pytest.mark.parametrize("name, valid, invalid", EQUAL_BUT_INVALID.values(), ids=EQUAL_BUT_INVALID.keys())
+def test_a_kept_signature_refuses_what_a_fresh_plan_refuses(name, valid, invalid, with_plan, backend):
+    """True == 1 and 0 == False: a kept launch's key holds each scalar's type, so a scalar that
+    equals a kept one but is refused by validation is refused on the fast path too (with a
+    plan, and without one: the call finds its plan among the last 64), the slab bit-identical."""
+    args, rows, plan = slab_call()
+    index = dict(plan=plan) if with_plan else dict(state_indices=rows)
+    for _ in range(2):                                 # the signature kept
+        deltarule.linear_attention(**{**args, "initial_state": args["initial_state"].clone()}, **index,
+                                   **{name: valid}, backend=backend)
+    slab = args["initial_state"].clone()
+    before = slab.clone()
+    with pytest.raises(ContractError) as info:
+        deltarule.linear_attention(**{**args, "initial_state": slab}, **index, **{name: invalid}, backend=backend)
+    assert info.value.argument == name
+    assert torch.equal(slab, before), "a refused call modified the slab"
+    fresh = deltarule.plan_batch(2, 1, state_indices=rows, num_slots=SLOTS)
+    with pytest.raises(ContractError) as info:                       # what a fresh plan says
+        deltarule.linear_attention(**{**args, "initial_state": slab}, plan=fresh, **{name: invalid}, backend=backend)
+    assert info.value.argument == name
+
+
 def test_inputs_that_need_grad_take_the_full_path(backend):
     args = cases.make_inputs(small_case(B=2, T=3))
     plan = deltarule.plan_batch(2, 3)

@@ -496,3 +496,97 @@ def test_run_feed_errors(ort):
     with pytest.raises(ContractError) as info:
         donnx.Session(b"not a model")
     assert info.value.argument == "model"
+
+
+# ---------------------------------------------------------------------------
+# node contracts (issue 32): refused with ContractError when the session is built, before any run
+# ---------------------------------------------------------------------------
+
+def _one_node_model(node, *, opset=27):
+    """A model of `node` alone, its inputs graph inputs (float32, any shape)."""
+    graph = helper.make_graph(
+        [node], "one", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in node.input if n],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in node.output if n])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+
+
+HEAD_ATTRS = dict(q_num_heads=2, kv_num_heads=2)
+NODE_ERRORS = {                      # (domain, inputs, attributes, opset) -> the argument named
+    "onnx-no-q_num_heads": ("", 6, dict(kv_num_heads=2), 27, "q_num_heads"),
+    "onnx-no-kv_num_heads": ("", 6, dict(q_num_heads=2), 27, "kv_num_heads"),
+    "onnx-unknown-attribute": ("", 6, dict(HEAD_ATTRS, gate_activation="none"), 27, "gate_activation"),
+    "onnx-7-inputs": ("", 7, HEAD_ATTRS, 27, "node 'la' inputs"),
+    "onnx-opset-18": ("", 6, HEAD_ATTRS, 18, "opset_import"),
+    "onnx-opset-26": ("", 6, HEAD_ATTRS, 26, "opset_import"),
+    "ms-no-q_num_heads": ("com.microsoft", 6, dict(kv_num_heads=2), 27, "q_num_heads"),
+    "ms-unknown-attribute": ("com.microsoft", 6, dict(HEAD_ATTRS, foo=1), 27, "foo"),
+    "ms-7-inputs": ("com.microsoft", 7, HEAD_ATTRS, 27, "node 'la' inputs"),
+    "deltarule-no-kv_num_heads": ("ai.deltarule", 6, dict(q_num_heads=2), 21, "kv_num_heads"),
+    "deltarule-unknown-attribute": ("ai.deltarule", 6, dict(HEAD_ATTRS, foo=1), 21, "foo"),
+    "deltarule-9-inputs": ("ai.deltarule", 9, HEAD_ATTRS, 21, "node 'la' inputs"),
+    "gdn-unknown-attribute": (("com.microsoft", "GatedDeltaNet"), 6, dict(q_num_heads=2), 27, "q_num_heads"),
+}
+
+
+@pytest.mark.parametrize("domain, n_inputs, attrs, opset, argument", NODE_ERRORS.values(), ids=NODE_ERRORS.keys())
+def test_run_refuses_a_node_the_op_does_not_define(domain, n_inputs, attrs, opset, argument, monkeypatch):
+    """A linear-attention node the op does not define (a required attribute absent, an unknown
+    one, too many inputs, LinearAttention before opset 27): ContractError when the Session is
+    built (these reached the kernel as Python TypeErrors, or ran), no kernel called."""
+    domain, op_type = domain if isinstance(domain, tuple) else (domain, "LinearAttention")
+    inputs = ["q", "k", "v", "past", "decay", "beta", "x7", "x8", "x9"][:n_inputs]
+    node = helper.make_node(op_type, inputs, ["o", "s"], name="la", domain=domain, **attrs)
+    spy = Spy(monkeypatch)
+    with pytest.raises(ContractError) as info:
+        donnx.Session(_one_node_model(node, opset=opset))
+    assert info.value.argument == argument, info.value
+    assert spy.calls == {}
+
+
+@pytest.mark.parametrize("opset", [27, 28])
+def test_run_takes_linear_attention_from_opset_27(opset):
+    node = helper.make_node("LinearAttention", ["q", "k", "v"], ["o", "s"], update_rule="linear", **HEAD_ATTRS)
+    q = np.random.default_rng(0).standard_normal((1, 3, 8)).astype(np.float32)
+    o, s = donnx.run(_one_node_model(node, opset=opset), dict(q=q, k=q, v=q))
+    want = donnx.linear_attention(q, q, q, update_rule="linear", **HEAD_ATTRS)
+    assert_close((o, s), want, F32_TOL)
+
+
+@pytest.mark.parametrize("attrs, argument", [
+    (dict(q_num_heads="x", kv_num_heads=2), "q_num_heads"),
+    (dict(q_num_heads=2, kv_num_heads=0), "kv_num_heads"),
+    (dict(q_num_heads=3, kv_num_heads=2), "q_num_heads"),
+    (dict(q_num_heads=True, kv_num_heads=1), "q_num_heads"),
+    (dict(HEAD_ATTRS, scale="x"), "scale"),
+    (dict(HEAD_ATTRS, scale=float("inf")), "scale"),
+    (dict(HEAD_ATTRS, chunk_size=2.5), "chunk_size"),
+    (dict(HEAD_ATTRS, update_rule=3), "update_rule"),
+], ids=["heads-a-string", "kv-heads-0", "heads-not-a-multiple", "heads-a-bool", "scale-a-string", "scale-inf",
+        "chunk_size-a-float", "update_rule-an-int"])
+def test_make_node_refuses_attributes(attrs, argument):
+    with pytest.raises(ContractError) as info:
+        donnx.make_node("q", "k", "v", None, "decay", "beta", **attrs)
+    assert info.value.argument == argument, info.value
+
+
+@pytest.mark.parametrize("attrs, argument", [
+    (dict(kv_num_heads=2), "q_num_heads"),
+    (dict(q_num_heads=2), "kv_num_heads"),
+    (dict(HEAD_ATTRS, foo=1), "foo"),
+    (dict(q_num_heads=2.0, kv_num_heads=2), "q_num_heads"),
+    (dict(HEAD_ATTRS, scale=1), "scale"),
+    (dict(HEAD_ATTRS, chunk_size=0.5), "chunk_size"),
+    (dict(q_num_heads=3, kv_num_heads=2), "q_num_heads"),
+], ids=["no-q_num_heads", "no-kv_num_heads", "unknown", "heads-a-float", "scale-an-int", "chunk_size-a-float",
+        "heads-not-a-multiple"])
+def test_attach_functions_refuses_a_node_without_its_attributes(attrs, argument):
+    """The body references q_num_heads / kv_num_heads (and each attribute by its type): a node
+    without them, or with others, is refused, and the model given is not modified."""
+    node = helper.make_node("LinearAttention", ["q", "k", "v", "", "decay", "beta"], ["o", "s"], domain="ai.deltarule",
+                            **attrs)
+    model = _one_node_model(node, opset=21)
+    before = model.SerializeToString()
+    with pytest.raises(ContractError) as info:
+        donnx.attach_functions(model)
+    assert info.value.argument == argument, info.value
+    assert model.SerializeToString() == before

@@ -18,10 +18,31 @@
 // (16-bit outputs as Uint16Array bits: `toFloat32` widens them).
 
 export class ContractError extends Error {
-  constructor(argument, expected, actual) {
+  // argument (bind key, attribute or option), what was expected, what was given; `limit` for a
+  // size beyond the adapter's or the card's bounds: { name, value } (named in `expected` too)
+  constructor(argument, expected, actual, limit) {
     super(`${argument}: expected ${expected}, got ${actual}`);
     this.name = "ContractError";
     Object.assign(this, { argument, expected, actual });
+    if (limit) this.limit = limit;
+  }
+
+  // host programs (a card's common.js) throw their own ContractError class: both match
+  static [Symbol.hasInstance](x) {
+    return x instanceof Error && x.name === "ContractError";
+  }
+}
+
+// What WebGPU itself refused (a validation, out-of-memory or internal error caught by the call's
+// error scopes, a failed pipeline, a failed read-back): every message WebGPU gave, and the
+// exception it raised first, if any, as `cause`.
+export class WebGPUError extends Error {
+  constructor(errors, cause, what) {
+    const parts = errors.map((e) => `${e.constructor?.name ?? "GPUError"}: ${String(e.message).trim() || "(no message)"}`);
+    if (cause) parts.push(`${cause.name}: ${cause.message || "(no message)"}`);
+    super(`WebGPU: ${[what, parts.join("; ")].filter(Boolean).join(": ")}`, cause ? { cause } : undefined);
+    this.name = "WebGPUError";
+    this.errors = errors;
   }
 }
 
@@ -112,25 +133,63 @@ export async function loadKernel(source, options = {}) {
     getSource: (name) => ({ src: texts[name], path: name, noCache: false }),
   }, { autoescape: false, throwOnUndefined: true });
   const pipelines = new Map();
+  // a lost (or destroyed) device: calls are refused instead of returning invalid buffers
+  let lost = null;
+  device.lost?.then((info) => { lost = info; });
+  const refuseLost = () => {
+    if (lost) throw new WebGPUError([], null, `the device is lost (${lost.reason}: ${lost.message || "no message"}); load the card on a new device`);
+  };
 
+  // A compiled pipeline per (template, specialization), cached as a promise. Compiled
+  // asynchronously, with the shader module's validation messages kept; a failure is not cached.
   function pipeline(template, spec) {
     const key = template + JSON.stringify(spec);
     let entry = pipelines.get(key);
     if (!entry) {
       const code = env.render(template, spec);
-      const module = device.createShaderModule({ code, label: `${metadata.id} ${template}` });
-      entry = device.createComputePipeline({ layout: "auto", compute: { module, entryPoint: "main" } });
+      const label = `${metadata.id} ${template}`;
+      device.pushErrorScope("validation");
+      const module = device.createShaderModule({ code, label });
+      const made = device.createComputePipelineAsync({ label, layout: "auto", compute: { module, entryPoint: "main" } })
+        .then((p) => [p, null], (e) => [null, e]);
+      entry = Promise.all([device.popErrorScope(), made]).then(([error, [p, thrown]]) => {
+        if (error || thrown) throw new WebGPUError(error ? [error] : [], thrown, `compiling ${template}`);
+        return p;
+      });
       pipelines.set(key, entry);
+      entry.catch(() => { if (pipelines.get(key) === entry) pipelines.delete(key); });
     }
     return entry;
   }
 
   const variants = ["auto", ...metadata.variants.map((v) => v.name)];
-  async function kernel(inputs, { attributes = {}, outputs, resident = false, poison = false, variant = "auto" } = {}) {
+  async function kernel(inputs, options = {}) {
+    refuseLost();
+    if (options === null || typeof options !== "object") throw new ContractError("options", "an object", String(options));
+    const { attributes = {}, outputs, resident = false, poison = false, variant = "auto" } = options;
+    for (const name of Object.keys(options)) {
+      if (!["attributes", "outputs", "resident", "poison", "variant"].includes(name)) {
+        throw new ContractError(name, "an option of kernel() (attributes, outputs, resident, poison, variant)", "unknown");
+      }
+    }
     if (!variants.includes(variant)) throw new ContractError("variant", `one of ${variants.join(", ")}`, variant);
+    if (inputs === null || typeof inputs !== "object" || Array.isArray(inputs)) {
+      throw new ContractError("inputs", "an object of bind keys", Array.isArray(inputs) ? "an array" : String(inputs));
+    }
+    if (attributes === null || typeof attributes !== "object" || Array.isArray(attributes)) {
+      throw new ContractError("attributes", "an object of attribute values", String(attributes));
+    }
+    if (outputs !== undefined && (!Array.isArray(outputs) || !outputs.every((o) => typeof o === "string"))) {
+      throw new ContractError("outputs", "an array of output bind keys", JSON.stringify(outputs));
+    }
     const call = validate(manifest, inputs, attributes, outputs);
     const plan = host.plan({ ...call, variant, limits: device.limits });
-    return execute(device, pipeline, call, plan, { resident, poison });
+    checkPlan(call, plan, device.limits, !!resident);
+    const pipes = await Promise.all([...plan.passes, ...plan.finish].map((pass) => pipeline(pass.template, pass.spec)));
+    refuseLost();
+    const result = await execute(device, pipes, call, plan, { resident: !!resident, poison: !!poison });
+    refuseLost();
+    return result;
   }
   kernel.manifest = manifest;
   kernel.metadata = metadata;
@@ -185,7 +244,7 @@ function validate(manifest, inputs, attributes, requestedOutputs) {
     const value = attributes[a.name] ?? a.default;
     const typeOk = a.type === "string" ? typeof value === "string"
       : a.type === "int" ? Number.isInteger(value) : typeof value === "number";
-    if (!typeOk) throw new ContractError(a.name, `a ${a.type}`, JSON.stringify(value));
+    if (!typeOk) throw new ContractError(a.name, a.type === "int" ? "an int" : `a ${a.type}`, JSON.stringify(value));
     if (a.values && !a.values.includes(value)) throw new ContractError(a.name, `one of ${JSON.stringify(a.values)}`, JSON.stringify(value));
     attrs[a.name] = value;
   }
@@ -217,6 +276,11 @@ function validate(manifest, inputs, attributes, requestedOutputs) {
       throw new ContractError(spec.bind, "{ data, shape } or { buffer, shape, dtype } with a shape of integers >= 0", JSON.stringify(t?.shape));
     }
     const onDevice = t.buffer !== undefined;
+    if (onDevice && t.data !== undefined) throw new ContractError(spec.bind, "either data (host) or buffer (device)", "both");
+    if (onDevice && !(t.buffer && typeof t.buffer.size === "number" && typeof t.buffer.usage === "number" &&
+      typeof t.buffer.destroy === "function")) {
+      throw new ContractError(spec.bind, "buffer: a GPUBuffer", t.buffer?.constructor?.name ?? String(t.buffer));
+    }
     if (onDevice && spec.host) throw new ContractError(spec.bind, "a typed array on the host (its values shape the dispatch)", "a GPUBuffer");
     if (onDevice && !t.dtype) throw new ContractError(spec.bind, "a dtype with a GPUBuffer", "none");
     const dtype = onDevice ? t.dtype : dtypeOf(spec.bind, t);
@@ -231,7 +295,12 @@ function validate(manifest, inputs, attributes, requestedOutputs) {
     }
     const n = numel(t.shape);
     if (onDevice) {
-      if (t.buffer.size < n * BYTES[dtype]) throw new ContractError(spec.bind, `a GPUBuffer of at least ${n * BYTES[dtype]} bytes`, `${t.buffer.size} bytes`);
+      // bound as padded(n * bytes) from offset 0: 16-bit tensors are read as whole u32 words
+      const need = padded(n * BYTES[dtype]);
+      if (t.buffer.size < need) throw new ContractError(spec.bind, `a GPUBuffer of at least ${need} bytes (shape [${t.shape.join(", ")}] ${dtype})`, `${t.buffer.size} bytes`);
+      if (t.buffer.mapState !== undefined && t.buffer.mapState !== "unmapped") {
+        throw new ContractError(spec.bind, "an unmapped GPUBuffer", `mapState ${t.buffer.mapState}`);
+      }
     } else if (t.data.length !== n) {
       throw new ContractError(spec.bind, `${n} elements (shape [${t.shape.join(", ")}])`, `${t.data.length}`);
     }
@@ -261,35 +330,167 @@ function validate(manifest, inputs, attributes, requestedOutputs) {
 
 const STORAGE = () => GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;
 const padded = (bytes) => Math.max(4, Math.ceil(bytes / 4) * 4);
+const uniformBytes = (bytes) => Math.max(16, Math.ceil(bytes / 16) * 16);
+const U32_ELEMENTS = 2 ** 32 - 1;              // the shaders index elements with u32
 
 function upload(device, data, usage = STORAGE()) {
   const bytes = new Uint8Array(data.buffer, data.byteOffset, data.byteLength);
-  const size = usage & GPUBufferUsage.UNIFORM ? Math.max(16, Math.ceil(bytes.length / 16) * 16) : padded(bytes.length);
+  const size = usage & GPUBufferUsage.UNIFORM ? uniformBytes(bytes.length) : padded(bytes.length);
   const buffer = device.createBuffer({ size, usage, mappedAtCreation: true });
   new Uint8Array(buffer.getMappedRange()).set(bytes);
   buffer.unmap();
   return buffer;
 }
 
-// WebGPU reports validation and allocation failures asynchronously: every call runs inside
-// error scopes and raises what they caught (a failed call returns nothing, never stale buffers).
-async function execute(device, pipeline, call, plan, options) {
+// The plan against the device's limits, before any GPU work: every buffer the call creates or
+// binds (maxBufferSize, maxStorageBufferBindingSize, maxUniformBufferBindingSize, u32 element
+// indices), every pass's grid (maxComputeWorkgroupsPerDimension) and workgroup
+// (maxComputeInvocationsPerWorkgroup, maxComputeWorkgroupSizeX, maxComputeWorkgroupStorageSize),
+// the usages of the caller's buffers, and that a buffer written in place is bound once. The host
+// programs refuse the sizes they know the reason for first (naming the argument that sets them);
+// this is the loader's own check of whatever a plan asks for.
+function checkPlan(call, plan, limits, resident) {
+  const all = [...plan.passes, ...plan.finish];
+  const bound = new Set(), copied = new Set();
+  for (const pass of all) for (const ref of Object.values(pass.bindings)) if (ref.input) bound.add(ref.input);
+  for (const o of Object.values(plan.outputs)) {
+    if (o.copy) copied.add(o.copy);
+    if (o.alias) bound.add(o.alias);
+    if (o.alias && !resident) copied.add(o.alias);
+  }
+  const limit = (name) => ({ name, value: limits[name] });
+  const bytes = (argument, what, size, { storage = true, elements = 0 } = {}) => {
+    if (elements > U32_ELEMENTS) {
+      throw new ContractError(argument, `at most 2^32 - 1 elements (the shaders index with u32)`, `${what}: ${elements} elements`,
+        { name: "u32 indices", value: U32_ELEMENTS });
+    }
+    const caps = [["maxBufferSize", limits.maxBufferSize]];
+    if (storage) caps.push(["maxStorageBufferBindingSize", limits.maxStorageBufferBindingSize]);
+    for (const [name, cap] of caps) {
+      if (size > cap) throw new ContractError(argument, `at most ${cap} bytes (the adapter's ${name})`, `${what}: ${size} bytes`, limit(name));
+    }
+  };
+  for (const [bind, t] of Object.entries(call.inputs)) {
+    if (!bound.has(bind) && !copied.has(bind)) continue;
+    const n = numel(t.shape);
+    const what = `shape [${t.shape.join(", ")}] ${t.dtype}`;
+    bytes(bind, what, t.buffer ? padded(n * BYTES[t.dtype]) : padded(t.data.byteLength), { storage: bound.has(bind), elements: n });
+    if (t.buffer) {
+      const need = (bound.has(bind) ? GPUBufferUsage.STORAGE : 0) | (copied.has(bind) ? GPUBufferUsage.COPY_SRC : 0);
+      if ((t.buffer.usage & need) !== need) {
+        const names = (u) => ["MAP_READ", "MAP_WRITE", "COPY_SRC", "COPY_DST", "INDEX", "VERTEX", "UNIFORM", "STORAGE", "INDIRECT", "QUERY_RESOLVE"].filter((x) => u & GPUBufferUsage[x]).join(" | ") || "none";
+        throw new ContractError(bind, `a GPUBuffer with usage ${names(need)}`, `usage ${t.buffer.usage} (${names(t.buffer.usage)})`);
+      }
+    }
+  }
+  // a buffer written in place (an output aliasing an input) is no other input's buffer
+  for (const [bind, o] of Object.entries(plan.outputs)) {
+    const mine = o.alias && call.inputs[o.alias].buffer;
+    if (!mine) continue;
+    for (const [other, t] of Object.entries(call.inputs)) {
+      if (other !== o.alias && t.buffer === mine) {
+        throw new ContractError(o.alias, `a GPUBuffer apart from every other input's (${bind} is written into it in place)`,
+          `the same GPUBuffer as ${other}`);
+      }
+    }
+  }
+  for (const [bind, o] of Object.entries(plan.outputs)) {
+    if (o.alias) continue;
+    const n = numel(o.shape);
+    bytes(bind, `the output of shape [${o.shape.join(", ")}] ${o.dtype} these inputs give`, padded(n * BYTES[o.dtype]), { elements: n });
+  }
+  for (const [name, b] of Object.entries(plan.buffers)) bytes("inputs", `the scratch buffer ${name} these sizes need`, padded(b.bytes));
+  const wg = limits.maxComputeWorkgroupsPerDimension;
+  for (const pass of all) {
+    for (const ref of Object.values(pass.bindings)) {
+      if (ref.storage) bytes("inputs", `the table of ${pass.template} these sizes need`, padded(ref.storage.byteLength));
+      if (ref.uniform && uniformBytes(ref.uniform.byteLength) > limits.maxUniformBufferBindingSize) {
+        throw new ContractError("inputs", `uniforms of at most ${limits.maxUniformBufferBindingSize} bytes (the adapter's ` +
+          "maxUniformBufferBindingSize)", `${ref.uniform.byteLength} bytes for ${pass.template}`, limit("maxUniformBufferBindingSize"));
+      }
+    }
+    if (pass.grid.length !== 3 || !pass.grid.every((x) => Number.isInteger(x) && x >= 0)) {
+      throw new Error(`${pass.template}: a plan with a grid that is not 3 integers >= 0: ${JSON.stringify(pass.grid)} (a card bug)`);
+    }
+    if (pass.grid.some((x) => x > wg)) {
+      throw new ContractError("inputs", `at most ${wg} workgroups per grid dimension (the adapter's ` +
+        "maxComputeWorkgroupsPerDimension)", `grid [${pass.grid.join(", ")}] for ${pass.template}`, limit("maxComputeWorkgroupsPerDimension"));
+    }
+    const w = pass.workgroup;
+    if (!w) continue;
+    for (const [name, value] of [["maxComputeInvocationsPerWorkgroup", w.invocations], ["maxComputeWorkgroupSizeX", w.invocations],
+      ["maxComputeWorkgroupStorageSize", w.bytes]]) {
+      if (limits[name] !== undefined && value > limits[name]) {
+        throw new ContractError("inputs", `at most ${limits[name]} (the adapter's ${name})`, `${value} for ${pass.template}`, limit(name));
+      }
+    }
+  }
+}
+
+// WebGPU reports validation and allocation failures asynchronously: the call creates and
+// encodes everything inside error scopes with no await in between (so calls made concurrently
+// never pop each other's scopes), and raises a WebGPUError with every message they caught. A
+// failed call returns nothing and destroys what it created.
+//
+// Buffers: with resident: false every buffer the call creates is destroyed before it returns.
+// With resident: true the output buffers belong to the caller (destroy them when done), all but
+// one that IS the caller's own input buffer (a slab given as a GPUBuffer, updated in place);
+// a slab given as host data comes back as a new buffer the caller owns, to pass to later calls.
+async function execute(device, pipes, call, plan, { resident, poison }) {
+  const made = [];                       // every buffer this call creates
+  let job, thrown;
+  device.pushErrorScope("internal");
   device.pushErrorScope("out-of-memory");
   device.pushErrorScope("validation");
-  let result, thrown;
   try {
-    result = await run(device, pipeline, call, plan, options);
+    job = encode(device, pipes, call, plan, made, { resident, poison });
   } catch (e) {
     thrown = e;
   }
-  const errors = [await device.popErrorScope(), await device.popErrorScope()].filter(Boolean);
-  if (thrown) throw thrown;
-  if (errors.length) throw new Error(`WebGPU: ${errors.map((e) => e.message).join("; ")}`);
+  const scopes = Promise.all([device.popErrorScope(), device.popErrorScope(), device.popErrorScope()]);
+  const done = job && resident ? device.queue.onSubmittedWorkDone() : null;
+  let errors;
+  try {
+    const [validation, memory, internal] = await scopes;
+    errors = [memory, internal, validation].filter(Boolean);        // the root cause first
+  } catch (e) {                          // a lost device may reject the pops
+    errors = [];
+    thrown ??= e;
+  }
+  if (thrown || errors.length) {
+    for (const b of made) b.destroy();
+    if (!errors.length && thrown) throw thrown;
+    throw new WebGPUError(errors, thrown);
+  }
+  const result = {};
+  try {
+    if (resident) {
+      await done;
+      for (const [bind, o] of Object.entries(plan.outputs)) result[bind] = { buffer: job.outputs[bind], shape: o.shape, dtype: o.dtype };
+    } else {
+      for (const [bind, o, staging, bytes] of job.reads) {
+        try {
+          await staging.mapAsync(GPUMapMode.READ);
+        } catch (e) {
+          throw new WebGPUError([], e, `reading ${bind} back`);
+        }
+        const raw = staging.getMappedRange().slice(0, bytes);
+        staging.unmap();
+        const Type = o.dtype === "float32" ? Float32Array : o.dtype === "int32" ? Int32Array : Uint16Array;
+        result[bind] = { data: new Type(raw), shape: o.shape, dtype: o.dtype };
+      }
+    }
+  } catch (e) {
+    for (const b of made) b.destroy();
+    throw e;
+  }
+  const kept = new Set(resident ? Object.values(job.outputs) : []);
+  for (const b of made) if (!kept.has(b)) b.destroy();
   return result;
 }
 
-async function run(device, pipeline, call, plan, { resident, poison }) {
-  const made = [];                       // buffers of this call only, destroyed at the end
+// Creates the call's buffers, encodes its passes and submits them (no await: see execute).
+function encode(device, pipes, call, plan, made, { resident, poison }) {
   const own = (b) => { made.push(b); return b; };
   // the inputs a pass binds or an output starts from go to the device (host-only ones stay)
   const used = new Set(Object.values(plan.outputs).flatMap((o) => [o.copy, o.alias]));
@@ -298,12 +499,13 @@ async function run(device, pipeline, call, plan, { resident, poison }) {
   for (const [bind, t] of Object.entries(call.inputs)) {
     if (used.has(bind)) inputs[bind] = t.buffer ?? own(upload(device, t.data));
   }
+  const size = (bind) => padded(numel(call.inputs[bind].shape) * BYTES[call.inputs[bind].dtype]);
   const poisonFill = (buffer) => device.queue.writeBuffer(buffer, 0, new Float32Array(buffer.size / 4).fill(NaN));
-  const outputs = {};
+  const outputs = {}, sizes = {};
   for (const [bind, o] of Object.entries(plan.outputs)) {
+    sizes[bind] = padded(numel(o.shape) * BYTES[o.dtype]);
     if (o.alias) { outputs[bind] = inputs[o.alias]; continue; }
-    outputs[bind] = device.createBuffer({ size: padded(numel(o.shape) * BYTES[o.dtype]), usage: STORAGE() });
-    if (!resident) made.push(outputs[bind]);
+    outputs[bind] = own(device.createBuffer({ size: sizes[bind], usage: STORAGE() }));
     if (poison && !o.zero && !o.copy) poisonFill(outputs[bind]);     // (a zero state is read)
   }
   const scratch = {};
@@ -311,29 +513,29 @@ async function run(device, pipeline, call, plan, { resident, poison }) {
     scratch[name] = own(device.createBuffer({ size: padded(b.bytes), usage: STORAGE() }));
     if (poison) poisonFill(scratch[name]);
   }
+  // a binding covers the tensor, not the whole of a larger caller's buffer
   const resolve = (ref) => {
-    if (ref.input) return inputs[ref.input];
-    if (ref.output) return outputs[ref.output];
-    if (ref.buffer) return scratch[ref.buffer];
-    if (ref.uniform) return own(upload(device, new Uint8Array(ref.uniform), GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST));
-    if (ref.storage) return own(upload(device, ref.storage));
+    if (ref.input) return { buffer: inputs[ref.input], size: size(ref.input) };
+    if (ref.output) return { buffer: outputs[ref.output], size: sizes[ref.output] };
+    if (ref.buffer) return { buffer: scratch[ref.buffer] };
+    if (ref.uniform) return { buffer: own(upload(device, new Uint8Array(ref.uniform), GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST)) };
+    if (ref.storage) return { buffer: own(upload(device, ref.storage)) };
     throw new Error(`a binding the loader does not know: ${JSON.stringify(ref)}`);
   };
   const encoder = device.createCommandEncoder();
   for (const [bind, o] of Object.entries(plan.outputs)) {
     if (o.copy) encoder.copyBufferToBuffer(inputs[o.copy], 0, outputs[bind], 0, numel(o.shape) * BYTES[o.dtype]);
   }
-  for (const pass of [...plan.passes, ...plan.finish]) {
-    const pipe = pipeline(pass.template, pass.spec);
-    const entries = Object.entries(pass.bindings).map(([slot, ref]) => ({ binding: Number(slot), resource: { buffer: resolve(ref) } }));
+  [...plan.passes, ...plan.finish].forEach((pass, i) => {
+    const pipe = pipes[i];
+    const entries = Object.entries(pass.bindings).map(([slot, ref]) => ({ binding: Number(slot), resource: resolve(ref) }));
     const group = device.createBindGroup({ layout: pipe.getBindGroupLayout(0), entries });
     const compute = encoder.beginComputePass();
     compute.setPipeline(pipe);
     compute.setBindGroup(0, group);
     compute.dispatchWorkgroups(...pass.grid);
     compute.end();
-  }
-  const result = {};
+  });
   const reads = [];
   if (!resident) {
     for (const [bind, o] of Object.entries(plan.outputs)) {
@@ -344,20 +546,7 @@ async function run(device, pipeline, call, plan, { resident, poison }) {
     }
   }
   device.queue.submit([encoder.finish()]);
-  if (resident) {
-    for (const [bind, o] of Object.entries(plan.outputs)) result[bind] = { buffer: outputs[bind], shape: o.shape, dtype: o.dtype };
-    await device.queue.onSubmittedWorkDone();
-  } else {
-    for (const [bind, o, staging, bytes] of reads) {
-      await staging.mapAsync(GPUMapMode.READ);
-      const raw = staging.getMappedRange().slice(0, bytes);
-      staging.unmap();
-      const Type = o.dtype === "float32" ? Float32Array : o.dtype === "int32" ? Int32Array : Uint16Array;
-      result[bind] = { data: new Type(raw), shape: o.shape, dtype: o.dtype };
-    }
-  }
-  for (const b of made) b.destroy();
-  return result;
+  return { outputs, reads };
 }
 
 // ---- 16-bit helpers ---------------------------------------------------------------------------

@@ -81,6 +81,11 @@ GATED = ("gated", "gated_delta")
 DELTA = ("delta", "gated_delta")
 GATE_FORMS = ("none", "beta", "erase_write")
 DEFAULTS = {"update_rule": "gated_delta", "scale": 0.0, "chunk_size": 64}
+# every attribute of the op, with its ONNX type (a body references each with its type)
+ATTRIBUTE_TYPES = {"q_num_heads": onnx.AttributeProto.INT, "kv_num_heads": onnx.AttributeProto.INT,
+                   "update_rule": onnx.AttributeProto.STRING, "scale": onnx.AttributeProto.FLOAT,
+                   "chunk_size": onnx.AttributeProto.INT}
+REQUIRED_ATTRIBUTES = ("q_num_heads", "kv_num_heads")
 MIN_OPSET = 15                                    # Shape(start, end) and CastLike
 DEFAULT_OPSET = 21
 
@@ -222,8 +227,7 @@ def make_function(config: Config | None = None, *, opset: int = DEFAULT_OPSET, *
         config = Config(**config_fields)
     elif config_fields:
         raise TypeError("give a Config or its fields, not both")
-    if opset < MIN_OPSET:
-        raise ContractError("opset", f">= {MIN_OPSET}", opset)
+    opset = _onnx_contract.check_int_attr("opset", opset, minimum=MIN_OPSET)
     F = TensorProto.FLOAT
     nb = _Builder("")
     f32 = lambda x: nb("Cast", x, to=F, name="f32")
@@ -319,16 +323,49 @@ def make_node(query: str, key: str, value: str, past_state: str | None = None, d
     Every attribute is written out (ONNX's ReferenceEvaluator does not apply
     function attribute defaults) and `overload` names the node's `Config`.
     """
+    attrs = check_attributes(q_num_heads=q_num_heads, kv_num_heads=kv_num_heads, update_rule=update_rule,
+                             scale=scale, chunk_size=chunk_size)
     names = [x or "" for x in (query, key, value, past_state, decay, beta, erase_gate, write_gate)]
     while not names[-1]:
         names.pop()
-    node = helper.make_node(
-        OP_TYPE, names, list(outputs), name=name, domain=DOMAIN,
-        q_num_heads=int(q_num_heads), kv_num_heads=int(kv_num_heads), update_rule=update_rule,
-        scale=float(scale), chunk_size=int(chunk_size),
-    )
+    node = helper.make_node(OP_TYPE, names, list(outputs), name=name, domain=DOMAIN, **attrs)
     node.overload = Config.of_node(node).overload
     return node
+
+
+def check_attributes(*, q_num_heads, kv_num_heads, update_rule=DEFAULTS["update_rule"], scale=DEFAULTS["scale"],
+                     chunk_size=DEFAULTS["chunk_size"]) -> dict:
+    """The op's attribute values checked as `linear_attention` checks them (ContractError naming
+    the attribute), as the node attributes they become (ints, a float, a string)."""
+    Hq = _onnx_contract.check_int_attr("q_num_heads", q_num_heads, minimum=1)
+    Hkv = _onnx_contract.check_int_attr("kv_num_heads", kv_num_heads, minimum=1)
+    if Hq % Hkv:
+        raise ContractError("q_num_heads", f"a positive multiple of kv_num_heads = {Hkv}", Hq)
+    if not isinstance(update_rule, str) or update_rule not in RULES:
+        raise ContractError("update_rule", " | ".join(repr(r) for r in RULES), repr(update_rule))
+    _onnx_contract.check_scale(scale)
+    chunk_size = _onnx_contract.check_int_attr("chunk_size", chunk_size)
+    return dict(q_num_heads=Hq, kv_num_heads=Hkv, update_rule=update_rule, scale=float(scale), chunk_size=chunk_size)
+
+
+def check_node_attributes(node: onnx.NodeProto) -> None:
+    """An `ai.deltarule::LinearAttention` node's attributes: only the op's, each of its ONNX type,
+    the required ones present, values as `check_attributes` wants (ContractError naming the
+    attribute). A function body would otherwise reference an attribute that is not there."""
+    where = f"node {node.name or node.op_type!r}"
+    for a in node.attribute:
+        if a.name not in ATTRIBUTE_TYPES:
+            raise ContractError(a.name, f"an attribute of {DOMAIN}::{OP_TYPE} ({', '.join(ATTRIBUTE_TYPES)})",
+                                f"an unknown attribute on {where}")
+        if a.type != ATTRIBUTE_TYPES[a.name]:
+            type_name = onnx.AttributeProto.AttributeType.Name
+            raise ContractError(a.name, f"an attribute of type {type_name(ATTRIBUTE_TYPES[a.name])}",
+                                f"{type_name(a.type)} on {where}")
+    values = attribute_values(node)
+    for required in REQUIRED_ATTRIBUTES:
+        if required not in values:
+            raise ContractError(required, f"a required attribute of {DOMAIN}::{OP_TYPE}", f"absent on {where}")
+    check_attributes(**values)
 
 
 def _walk_nodes(graph: onnx.GraphProto):
@@ -364,6 +401,7 @@ def attach_functions(model: onnx.ModelProto, *, opset: int | None = None) -> onn
         for k, v in DEFAULTS.items():
             if k not in have:
                 node.attribute.append(helper.make_attribute(k, v))
+        check_node_attributes(node)
         config = Config.of_node(node)
         node.overload = config.overload
         configs[config.overload] = config

@@ -30,6 +30,7 @@ optionals).
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping
 
@@ -51,6 +52,21 @@ LINEAR_ATTENTION_OPS = {
     ("com.microsoft", "LinearAttention"): (_ort_contract.linear_attention, 2),
     (_ops.DOMAIN, _ops.OP_TYPE): (_ops.linear_attention, 2),
 }
+
+
+def _node_contract(fn) -> tuple[list[str], list[str], list[str]]:
+    """A kernel's node contract from its signature: its inputs (the positional parameters, in
+    order), its attributes (the keyword-only ones) and the attributes without a default."""
+    params = inspect.signature(fn).parameters.values()
+    return ([p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD],
+            [p.name for p in params if p.kind is p.KEYWORD_ONLY],
+            [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty])
+
+
+# taken at import, before anything (a test's spy) wraps the kernels
+_CONTRACTS = {op: _node_contract(fn) for op, (fn, _) in LINEAR_ATTENTION_OPS.items()}
+# the default domain's LinearAttention exists from this opset on
+LINEAR_ATTENTION_OPSET = 27
 
 
 def _key(node: onnx.NodeProto):
@@ -164,14 +180,31 @@ class _Segment:
 class _Attention:
     """One linear-attention node, computed by deltarule."""
 
-    def __init__(self, node):
+    def __init__(self, node, opset: int | None):
         self.node = node
-        self.fn, n_out = LINEAR_ATTENTION_OPS[_key(node)]
+        key = _key(node)
+        self.fn, n_out = LINEAR_ATTENTION_OPS[key]
+        where = f"node {node.name or node.op_type!r}"
+        op = f"{node.domain or 'ai.onnx'}::{node.op_type}"
+        if key == ("", "LinearAttention") and (opset is None or opset < LINEAR_ATTENTION_OPSET):
+            raise ContractError("opset_import", f"ai.onnx opset >= {LINEAR_ATTENTION_OPSET} for {op} ({where}): "
+                                "the op's first version", "no ai.onnx import" if opset is None else opset)
         extra = [o for o in node.output[n_out:] if o]
         if extra:
-            raise ContractError(f"node {node.name or node.op_type!r} outputs",
+            raise ContractError(f"{where} outputs",
                                 f"at most {n_out} outputs (deltarule computes output and state)", list(node.output))
+        inputs, attributes, required = _CONTRACTS[key]
+        if len(node.input) > len(inputs):
+            raise ContractError(f"{where} inputs", f"at most {len(inputs)} inputs of {op} {tuple(inputs)}",
+                                len(node.input))
         self.attrs = _ops.attribute_values(node)
+        for name in self.attrs:
+            if name not in attributes:
+                raise ContractError(name, f"an attribute of {op} ({', '.join(attributes)})",
+                                    f"an unknown attribute on {where}")
+        for name in required:
+            if name not in self.attrs:
+                raise ContractError(name, f"a required attribute of {op}", f"absent on {where}")
         self.inputs = list(node.input)
         self.outputs = list(node.output)
 
@@ -217,6 +250,7 @@ class Session:
         self.opset_import = list(model.opset_import)
         self.ir_version = model.ir_version
         self.functions = list(model.functions)
+        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
         self.input_names = [x.name for x in graph.input]
         self.output_names = [x.name for x in graph.output]
         if graph.sparse_initializer:
@@ -265,7 +299,7 @@ class Session:
                 self.plan.append(("ort", [nodes[i].name or nodes[i].op_type for i in members]))
             for i in order:
                 if stage[i] == s and is_la[i]:
-                    self._steps.append(_Attention(nodes[i]))
+                    self._steps.append(_Attention(nodes[i], opset))
                     self.plan.append(("deltarule", nodes[i].name or nodes[i].op_type))
 
     def run(self, output_names, feeds: Mapping) -> list:

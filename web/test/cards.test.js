@@ -146,10 +146,12 @@ test("loader: contract errors name the bind key or attribute", async () => {
   await refuses(gate(g, { outputs: ["decayT", "betaT"] }), "betaT");                  // beta requires b
   assert.deepEqual(Object.keys(await gate(g)), ["decayT"]);
   assert.ok(ContractError);
-  // what only the GPU can refuse comes back as an exception, not as a silent result
+  // a resident buffer the shader cannot bind is refused before any GPU work, naming its usage
+  // (what only the GPU can refuse, a WebGPUError, is tested in limits.test.js)
   const dev = await nodeDevice();
   const mapped = dev.createBuffer({ size: 32 * 4, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST });
-  await assert.rejects(gdn(gdnInputs({ queryT: { buffer: mapped, shape: [4, 1, 8], dtype: "float32" } })), /WebGPU: /);
+  await assert.rejects(gdn(gdnInputs({ queryT: { buffer: mapped, shape: [4, 1, 8], dtype: "float32" } })),
+    (e) => e.name === "ContractError" && e.argument === "queryT" && /usage STORAGE, got usage 9 \(MAP_READ \| COPY_DST\)/.test(e.message));
 });
 
 // ---- decode with the state on the device: the slab is updated in place, no state copy ---------

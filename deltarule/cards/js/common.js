@@ -7,18 +7,26 @@
 //                                                              // place); copy: starts as a copy of
 //                                                              // that input; zero: starts as zeros
 //     buffers: { name: { bytes, copy?: bind } },             // float32 scratch, zero or copied
-//     passes: [ { template, spec, grid, bindings: { slot: ref } } ] }
+//     passes: [ { template, spec, grid, workgroup: { invocations, bytes }, bindings: { slot: ref } } ],
+//     finish: [ passes run after those ] }
 // with ref one of { input: bind }, { output: bind }, { buffer: name },
 // { uniform: ArrayBuffer }, { storage: TypedArray } (read-only data made on the host).
 
 export class ContractError extends Error {
-  // the argument (bind key or attribute), what was expected, what was given
-  constructor(argument, expected, actual) {
+  // the argument (bind key or attribute), what was expected, what was given; `limit`, for a size
+  // beyond what the adapter or the shaders serve: { name, value } (also named in `expected`)
+  constructor(argument, expected, actual, limit) {
     super(`${argument}: expected ${expected}, got ${actual}`);
     this.name = "ContractError";
     this.argument = argument;
     this.expected = expected;
     this.actual = actual;
+    if (limit) this.limit = limit;
+  }
+
+  // the loader's ContractError and this one are two classes (two modules): either matches both
+  static [Symbol.hasInstance](x) {
+    return x instanceof Error && x.name === "ContractError";
   }
 }
 
@@ -29,6 +37,13 @@ export const NO_ROW = 0xffffffff;
 export const SEGMENT = 32768;
 const MAX_WORKGROUP = 256;
 const KEYS_PER_INVOCATION = 16;
+// The card's own bounds (docs/web.md, "Sizes a card serves"): both shaders unroll their key loops
+// in the template (the recurrent shader keeps ceil(K / 8) keys per invocation in registers, the
+// chunked pass 2 a vec4 per key) and the recurrent one its query group inside that, so WGSL size and
+// compile time grow with K and with K x G: on SwiftShader K = 256 compiles in 0.6 s (recurrent) and
+// 70 s (chunked), K = 512 chunked over 5 minutes, G = 128 at K = 128 in 90 s.
+export const MAX_KEYS = 256;
+export const MAX_GROUP = 16;
 
 export const numel = (shape) => shape.reduce((a, b) => a * b, 1);
 export const same = (a, b) => a.length === b.length && a.every((x, i) => x === b[i]);
@@ -64,6 +79,32 @@ export function recurrentSpec(p, limits) {
     raw_gate: p.rawGate || "", sigmoid: !!p.sigmoid, l2norm: !!p.l2norm, has_owner: !!p.owners,
     speculative: !!p.speculative, state_in: !!p.stateIn,
   };
+}
+
+// The sizes every variant needs, checked before any GPU work (ContractError naming the argument,
+// the bound and where it comes from). p.names: the argument that sets K, G, Hv, V and the
+// sequence count. Per-variant bounds (value tiles, speculative segments) are in the passes below;
+// the loader checks buffer sizes and every pass's grid and workgroup against the device again.
+export function checkSizes(p, live, limits) {
+  const n = p.names;
+  if (p.K > MAX_KEYS) {
+    throw new ContractError(n.K, `a key head size K <= ${MAX_KEYS} (the card's bound: the shaders unroll the key ` +
+      "loop)", `K = ${p.K}`, { name: "card MAX_KEYS", value: MAX_KEYS });
+  }
+  if (p.G > MAX_GROUP) {
+    throw new ContractError(n.G, `at most ${MAX_GROUP} query heads per state head (the card's bound: the recurrent ` +
+      "shader unrolls the query group)", `G = Hq / Hv = ${p.G}`, { name: "card MAX_GROUP", value: MAX_GROUP });
+  }
+  const wg = limits.maxComputeWorkgroupsPerDimension;
+  if (p.Hv > wg) {
+    throw new ContractError(n.Hv, `at most ${wg} value heads (the adapter's maxComputeWorkgroupsPerDimension: a ` +
+      "workgroup row per head)", `Hv = ${p.Hv}`, { name: "maxComputeWorkgroupsPerDimension", value: wg });
+  }
+  if (live > wg) {
+    throw new ContractError(n.sequences, `at most ${wg} live sequences (the adapter's ` +
+      "maxComputeWorkgroupsPerDimension: a workgroup layer per sequence)", `${live} sequences`,
+    { name: "maxComputeWorkgroupsPerDimension", value: wg });
+  }
 }
 
 // Output owners: the live sequence that writes each token (later sequences win where clamped
@@ -116,11 +157,19 @@ export function recurrentPasses(p, spans, rows, tokenRows, gates, bindings, limi
   const owner = owners(spans, p.B, p.T);
   const spec = recurrentSpec({ ...p, owners: owner !== null, speculative: tokenRows !== null }, limits);
   const grid = [Math.ceil(p.V / spec.BV), p.Hv, live.length];
-  if (live.length > limits.maxComputeWorkgroupsPerDimension) {
-    throw new ContractError("sequences", `at most ${limits.maxComputeWorkgroupsPerDimension} live ` +
-      "sequences (the adapter's workgroups per dimension)", live.length);
+  const wg = limits.maxComputeWorkgroupsPerDimension;
+  if (grid[0] > wg) {
+    throw new ContractError(p.names.V, `a value head size V <= ${wg * spec.BV} (the adapter's ` +
+      `maxComputeWorkgroupsPerDimension ${wg} x ${spec.BV} value columns per workgroup)`, `V = ${p.V}`,
+    { name: "maxComputeWorkgroupsPerDimension", value: wg });
   }
   const maxLen = Math.max(1, ...live.map((s) => s.end - s.start));
+  // a speculative sequence stores a row per token and reads one at the start: one dispatch each
+  if (tokenRows !== null && maxLen > SEGMENT) {
+    throw new ContractError(p.names.speculative, `speculative (2-D) rows for sequences of at most ${SEGMENT} tokens ` +
+      "(one dispatch per sequence: the shader's segment)", `a live sequence of ${maxLen} tokens`,
+    { name: "card SEGMENT", value: SEGMENT });
+  }
   const passes = [];
   for (let skip = 0; skip < maxLen; skip += SEGMENT) {
     const seqs = new Uint32Array(4 * live.length);
@@ -140,6 +189,7 @@ export function recurrentPasses(p, spans, rows, tokenRows, gates, bindings, limi
     new Uint32Array(params, 0, 4).set([p.B * p.T, at.owner, at.aLog, at.dtBias]);
     new Float32Array(params, 16, 2).set([p.scale, p.eps]);
     passes.push({ template: "recurrent.wgsl.jinja", spec, grid,
+      workgroup: { invocations: spec.KS * spec.BV, bytes: 4 * 2 * (spec.NR * spec.KS * spec.BV + spec.NS * spec.KS) },
       bindings: { 0: { uniform: params }, 1: { storage: table }, ...bindings } });
   }
   return passes;
@@ -152,7 +202,7 @@ export function narrowPass(dtype, count, from, to, limits) {
   const params = new ArrayBuffer(16);
   new Uint32Array(params).set([count, nx * 256]);
   return { template: "narrow.wgsl.jinja", spec: { dtype: SHADER_DTYPES[dtype] },
-    grid: [nx, Math.max(1, Math.ceil(groups / nx)), 1],
+    grid: [nx, Math.max(1, Math.ceil(groups / nx)), 1], workgroup: { invocations: 256, bytes: 0 },
     bindings: { 0: { uniform: params }, 1: from, 2: to } };
 }
 
@@ -183,10 +233,13 @@ const padTo = (x, m) => Math.ceil(x / m) * m;
 
 // both passes' workgroup memory: pass 1's A by columns, per-row norms and gates; pass 2's U and
 // Q^ S columns of BV values
-function fits(C, G, BV, workgroupBytes) {
+function intraFloats(C, G) {
   const CQ = C / 4;
-  const intra = C * C - 8 * CQ * (CQ - 1) + C * (G + 4);
-  return 4 * Math.max(intra, BV * C * (1 + G)) <= workgroupBytes;
+  return C * C - 8 * CQ * (CQ - 1) + C * (G + 4);
+}
+
+function fits(C, G, BV, workgroupBytes) {
+  return 4 * Math.max(intraFloats(C, G), BV * C * (1 + G)) <= workgroupBytes;
 }
 
 function chunkLength(chunkSize, G, workgroupBytes) {
@@ -226,6 +279,7 @@ export function chunkedRefusal(p, spans, speculative, limits) {
   if (!(p.B * p.T)) return "no tokens";
   const t = chunkedTiling(p, limits.maxComputeWorkgroupStorageSize);
   if (!fits(t.C, p.G, t.BV, limits.maxComputeWorkgroupStorageSize)) return "a query group too large for workgroup memory";
+  if (t.VP / t.BV > limits.maxComputeWorkgroupsPerDimension) return "more value tiles than workgroups per dimension";
   if (segmentChunks(p, live, limits) < 1) return "the scratch of one chunk per sequence does not fit";
   return null;
 }
@@ -272,9 +326,12 @@ export function chunkedPasses(p, spans, rows, gates, inputs, state, out, plan, l
     const slots = chunks.length / 2;
     slotsMax = Math.max(slotsMax, slots);
     const head = { 0: { uniform: params }, 1: { storage: table }, 2: { buffer: "chunked:scratch" } };
-    if (slots) passes.push({ template: "chunked_intra.wgsl.jinja", spec: intra, grid: [slots, p.Hv, 1], bindings: { ...head, ...inputs } });
+    if (slots) {
+      passes.push({ template: "chunked_intra.wgsl.jinja", spec: intra, grid: [slots, p.Hv, 1],
+        workgroup: { invocations: INTRA_WORKGROUP, bytes: 4 * intraFloats(t.C, p.G) }, bindings: { ...head, ...inputs } });
+    }
     passes.push({ template: "chunked_state.wgsl.jinja", spec: stateSpec, grid: [t.VP / t.BV, p.Hv, live.length],
-      bindings: { ...head, 3: state, 4: out } });
+      workgroup: { invocations: t.BV / 4, bytes: 4 * t.BV * t.C * (1 + p.G) }, bindings: { ...head, 3: state, 4: out } });
   }
   plan.buffers["chunked:scratch"] = { bytes: padTo(4 * block * p.Hv * slotsMax, 16) };
   return passes;

@@ -3,7 +3,8 @@
 // shapes (errors name the bind key) and plans the passes. Semantics: deltarule's ONNX Runtime
 // adapter (deltarule/contracts/ort.py, gated_delta_net) on the "vk" state layout.
 import {
-  chunkedPasses, chunkedRefusal, chunkedWins, ContractError, finite, numel, recurrentPasses, resultTarget, same, show,
+  checkSizes, chunkedPasses, chunkedRefusal, chunkedWins, ContractError, finite, numel, recurrentPasses, resultTarget,
+  same, show,
 } from "./common.js";
 
 export function plan({ inputs, attributes, variant, limits }) {
@@ -70,7 +71,10 @@ export function plan({ inputs, attributes, variant, limits }) {
     retrieves: !!inputs.betaT, rawGate: a.gate_activation === "qwen" ? "g" : "",
     sigmoid: a.beta_activation === "sigmoid" && !!inputs.betaT, l2norm: a.qk_l2_norm !== 0,
     scale: a.scale === 0 ? 1 / Math.sqrt(Dk) : a.scale, eps: 1e-12, chunkSize: Math.max(1, a.chunk_size),
+    names: { K: "queryT", G: "queryT", Hv: "valueT", V: "valueT",
+      sequences: inputs.cuSeqlensT ? "cuSeqlensT" : lead.length === 1 ? "initialStateT" : "queryT" },
   };
+  checkSizes(p, spans.length, limits);
   const bindings = { 2: { output: "finalStateT" }, 3: out, 4: { input: "queryT" }, 5: { input: "keyT" },
     6: { input: "valueT" } };
   if (inputs.decayT) bindings[7] = { input: "decayT" };

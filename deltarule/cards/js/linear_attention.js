@@ -2,8 +2,8 @@
 // plan (deltarule/batch.py) in JavaScript, then the recurrent dispatch. The loader has checked
 // presence, dtypes and ranks; errors here name the bind key.
 import {
-  chunkedPasses, chunkedRefusal, chunkedWins, ContractError, finite, NO_ROW, numel, recurrentPasses, resultTarget, same,
-  show,
+  checkSizes, chunkedPasses, chunkedRefusal, chunkedWins, ContractError, finite, NO_ROW, numel, recurrentPasses,
+  resultTarget, same, show,
 } from "./common.js";
 
 const GATED = ["gated", "gated_delta"];
@@ -89,7 +89,10 @@ export function plan({ inputs, attributes, variant, limits }) {
     retrieves: DELTA.includes(a.rule), bPerKey: b === "eraseT",
     rawGate: inputs.aLogT ? (inputs.gT ? "g" : "gk") : "", sigmoid: !!a.beta_sigmoid, l2norm: !!a.qk_l2norm,
     scale: a.scale === 0 ? 1 / Math.sqrt(K) : a.scale, eps: a.l2norm_eps, chunkSize: a.chunk_size,
+    names: { K: "qT", G: "qT", Hv: "vT", V: "vT", speculative: "stateIndicesT",
+      sequences: inputs.cuSeqlensT ? "cuSeqlensT" : inputs.seqLensT ? "seqLensT" : slab ? "stateIndicesT" : "qT" },
   };
+  checkSizes(p, live.length, limits);
   const need = 6 + [inputs.gT, inputs.gkT, b, inputs.writeT].filter(Boolean).length;
   if (need > limits.maxStorageBuffersPerShaderStage) {
     throw new ContractError("inputs", `at most ${limits.maxStorageBuffersPerShaderStage} storage buffers per shader ` +

@@ -32,6 +32,6 @@ export function plan({ inputs, requested, limits }) {
     bindings[5] = resultTarget("betaT", a.dtype, count, plan, limits);
   }
   plan.passes.push({ template: "gate.wgsl.jinja", spec: { dtype: SHADER_DTYPES[a.dtype], has_b: beta },
-    grid: [nx, Math.ceil(groups / nx), 1], bindings });
+    grid: [nx, Math.ceil(groups / nx), 1], workgroup: { invocations: WORKGROUP, bytes: 0 }, bindings });
   return plan;
 }

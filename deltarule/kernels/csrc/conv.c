@@ -202,6 +202,8 @@ int deltarule_conv(const conv_problem *P, int threads)
     const int64_t N = P->N, C = P->C, H = P->W - 1;
     if (P->W < 1 || P->W > MAX_W)
         return 2;
+    if (N == 0 || C == 0)       /* nothing to read or write; empty tensors' data may be NULL */
+        return 0;
     float *prior = NULL;
     if (P->gather) {          /* every prior before any write */
         prior = malloc(sizeof(float) * (size_t)(N * H * C + 1));
