@@ -153,6 +153,19 @@ export async function readBuffer(device, buffer, shape) {
 
 const differ = (a, b) => a.length !== b.length || a.some((x, i) => !Object.is(x, b[i]));
 
+// The same steps on the host, each call's final state (bind key `final`) the next one's initial
+// state, starting from a copy of `start`: every call's result.
+async function hostChain(kernel, steps, start, final) {
+  const results = [];
+  let state = { data: start.slice(), shape: steps.shape };
+  for (const { inputs } of steps) {
+    const r = await kernel({ ...inputs, initialStateT: state });
+    results.push(r);
+    state = { data: r[final].data, shape: steps.shape };
+  }
+  return results;
+}
+
 // Resident chains of 3 calls against the same calls on the host: deltarule.LinearAttention from a
 // host-data slab (then the returned buffer, in place), com.microsoft.GatedDeltaNet from a host
 // initial state (then each finalStateT as the next initialStateT). Returns { problems, owned }:
@@ -160,13 +173,7 @@ const differ = (a, b) => a.length !== b.length || a.some((x, i) => !Object.is(x,
 export async function residentChains(device, la, gdn) {
   const problems = [];
   const steps = laSteps(3);
-  const host = [];
-  let hostSlab = { data: steps.slab.slice(), shape: steps.shape };
-  for (const { inputs } of steps) {
-    const r = await la({ ...inputs, initialStateT: hostSlab });
-    host.push(r);
-    hostSlab = { data: r.stateT.data, shape: steps.shape };
-  }
+  const host = await hostChain(la, steps, steps.slab, "stateT");
   const given = steps.slab.slice();
   let slab = { data: given, shape: steps.shape };
   let owned = null;
@@ -182,14 +189,8 @@ export async function residentChains(device, la, gdn) {
   }
   if (differ(given, steps.slab)) problems.push("the caller's host slab was changed");
   const g = gdnSteps(3);
-  const ghost = [];
+  const ghost = await hostChain(gdn, g, g.state, "finalStateT");
   let s = { data: g.state.slice(), shape: g.shape };
-  for (const { inputs } of g) {
-    const r = await gdn({ ...inputs, initialStateT: s });
-    ghost.push(r);
-    s = { data: r.finalStateT.data, shape: g.shape };
-  }
-  s = { data: g.state.slice(), shape: g.shape };
   for (let i = 0; i < 3; i++) {
     const r = await gdn({ ...g[i].inputs, initialStateT: s }, { resident: true });
     if (differ(await readBuffer(device, r.outputT.buffer, r.outputT.shape), ghost[i].outputT.data)) problems.push(`GatedDeltaNet call ${i + 1}: outputT differs`);
