@@ -12,8 +12,12 @@ subprocess (deltarule/bench/vllm_engine.py): vLLM registers its ops once per pro
   chunked prefill, prefix caching on with a second round that hits the cache. vLLM-CPU's
   own GDN layer refuses float32 ("CPU GDN attention requires BF16"): only deltarule runs it.
 - bfloat16 and float16: every GDN call is checked against float64 twins
-  (DELTARULE_VLLM_SHADOW). Kimi Linear runs in bfloat16 only: vLLM-CPU's MLA decode kernel
-  (its softmax-attention layers, not deltarule's) is not implemented for float32.
+  (DELTARULE_VLLM_SHADOW).
+- Kimi Linear in Moonshot's format (bfloat16) and as transformers writes it (float32: its
+  tokens; bfloat16: it starts, its calls against float64). Float32 runs vLLM-CPU's reference
+  MLA backend (CPU_MLA; its AMX MLA kernels take bfloat16 only: the plugin picks CPU_MLA there).
+- tensor parallelism over 2 worker processes (Qwen3-Next, Qwen3.5): the tokens of one process,
+  every GDN call of both ranks on deltarule.
 - speculative decoding (ngram, 3 draft tokens): greedy tokens equal transformers', and
   calls with draft tokens ran on deltarule's speculative rows.
 """
@@ -23,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import types
 
 import pytest
 
@@ -65,8 +70,8 @@ def models(tmp_path_factory):
             for family, dtype in wanted}
 
 
-def engine(spec: dict, shadow: str | None = None) -> dict:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+def engine(spec: dict, shadow: str | None = None, env: dict | None = None) -> dict:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
     env.pop(dv.ENV, None)
     if os.path.basename(spec["model"]).startswith("qwen3_5"):
         if not os.path.isdir(os.path.join(TORCHVISION[1], "torchvision")):
@@ -163,7 +168,7 @@ NEAR_TIE = 0.02          # bfloat16 logits: a gap under 2 % of the largest logit
 
 
 def test_kimi_linear_bfloat16_tokens_match_transformers(models, tmp_path_factory):
-    """Kimi Linear (bfloat16 only on vLLM-CPU: its MLA decode kernel has no float32) generates
+    """Kimi Linear in Moonshot's format, bfloat16, generates
     transformers' float32 greedy tokens (both rounds: chunked prefill, prefix cache; on CPUs
     without AMX vLLM-CPU runs MLA models with neither), up to a near-tie: at a prompt's first differing token
     both tokens lead transformers' float32 logits within NEAR_TIE of the largest (the rest of
@@ -187,6 +192,98 @@ def test_kimi_linear_bfloat16_tokens_match_transformers(models, tmp_path_factory
         gap = abs(float(logits[got[first]] - logits[want[first]]))
         assert {got[first], want[first]} == top2 and gap <= NEAR_TIE * float(logits.abs().max()), \
             (prompt[:8], first, got, want, gap)
+
+
+@pytest.fixture(scope="module")
+def kimi_as_transformers_writes_it(tmp_path_factory):
+    """Kimi Linear checkpoints as transformers' save_pretrained writes them (float32, bfloat16):
+    layer kinds in layer_types / mlp_layer_types, no linear_attn_config, no mla_use_nope, the
+    dense MLP under block_sparse_moe."""
+    root = tmp_path_factory.mktemp("kimi_transformers")
+    paths = {dtype: checkpoints.save("kimi_linear", str(root / f"kimi_linear-{dtype}"), dtype=dtype,
+                                     kimi_format="transformers") for dtype in ("float32", "bfloat16")}
+    from safetensors import safe_open
+    for path in paths.values():               # the format the test is about (else it lost its point)
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        assert "mla_use_nope" not in config and "linear_attn_config" not in config and config["layer_types"]
+        with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+            assert any(k.startswith("model.layers.0.block_sparse_moe.") for k in f.keys())
+    return paths
+
+
+def test_kimi_linear_written_by_transformers_float32_tokens(kimi_as_transformers_writes_it, tmp_path):
+    """Float32, both rounds in 64-token chunks, the engine in this process (vLLM imports Kimi's
+    model module, and with it numba, before its worker scans the modules for Triton kernels:
+    the scan failed on llvmlite's objects): transformers' greedy tokens, every KDA call against
+    float64."""
+    path = kimi_as_transformers_writes_it["float32"]
+    shadow = str(tmp_path / "kimi-float32.jsonl")
+    result = engine(dict(model=path, dtype="float32", deltarule=True, prompts=ROUNDS, max_tokens=NEW_TOKENS,
+                         max_num_batched_tokens=64, in_process=True), shadow)
+    if result["prefix_caching"]:
+        assert sum(result["cached"][1]) > 0, "round 2 took nothing from the prefix cache: the test lost its point"
+    for prompts, got in zip(ROUNDS, result["tokens"]):
+        assert got == transformers_tokens(path, prompts)
+    records = shadow_records(shadow)
+    assert any(r["tokens"] > r["sequences"] for r in records) and any(r["tokens"] == r["sequences"] for r in records)
+    bad = [r for r in records if not r["ok"]]
+    assert not bad, bad[:3]
+
+
+def test_kimi_linear_written_by_transformers_bfloat16_starts(kimi_as_transformers_writes_it, tmp_path):
+    shadow = str(tmp_path / "kimi-bfloat16.jsonl")
+    result = engine(dict(model=kimi_as_transformers_writes_it["bfloat16"], dtype="bfloat16", deltarule=True,
+                         prompts=ROUNDS[:1], max_tokens=NEW_TOKENS), shadow)
+    assert [len(t) for t in result["tokens"][0]] == [NEW_TOKENS] * len(ROUNDS[0])
+    records = shadow_records(shadow)
+    assert {r["dtype"] for r in records} == {"torch.bfloat16"}
+    bad = [r for r in records if not r["ok"]]
+    assert records and not bad, bad[:3]
+
+
+def test_float32_kimi_on_amx_takes_the_reference_mla_backend():
+    """On a CPU with AMX vLLM-CPU gives MLA models its AMX backend (bfloat16 kernels only): a
+    float32 Kimi Linear gets CPU_MLA, which the float32 token test runs end to end on any CPU;
+    other dtypes, CPUs without AMX, other models and a backend the user chose are left alone."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as Backend
+    import deltarule.integrations.vllm_families as families
+
+    def config(model_type="kimi_linear", dtype=torch.float32, backend=None):
+        return types.SimpleNamespace(attention_config=types.SimpleNamespace(backend=backend),
+                                     model_config=types.SimpleNamespace(
+                                         dtype=dtype, hf_config=types.SimpleNamespace(model_type=model_type)))
+    chosen = config()
+    assert families._float32_kimi_mla(chosen, True) and chosen.attention_config.backend == Backend.CPU_MLA
+    for kept, amx in [(config(dtype=torch.bfloat16), True), (config(), False), (config("deepseek_v3"), True),
+                      (config(backend=Backend.AMX_MLA), True)]:
+        before = kept.attention_config.backend
+        assert not families._float32_kimi_mla(kept, amx) and kept.attention_config.backend == before
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_tensor_parallel_2_gives_the_tokens_of_one_process(family, tmp_path):
+    """tensor_parallel_size=2 (vLLM's mp executor: one worker process per rank; threads not
+    bound to cores: 2 ranks on a 2-core machine) generates the tokens of one process and of
+    transformers; both ranks' GDN calls ran on deltarule (shadow records of two processes, each
+    with half the value heads, on every GDN layer, prefill and decode, all within tolerance)."""
+    path = checkpoints.save(family, str(tmp_path / family), shape="tiny_tp2")
+    spec = dict(model=path, dtype="float32", deltarule=True, prompts=ROUNDS[:1], max_tokens=NEW_TOKENS,
+                max_num_batched_tokens=64)
+    one = engine(spec)
+    shadow = str(tmp_path / "tp2.jsonl")
+    two = engine(dict(spec, tensor_parallel_size=2), shadow, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    assert two["tokens"] == one["tokens"] == [transformers_tokens(path, ROUNDS[0])]
+    records = shadow_records(shadow)
+    heads = transformers.AutoConfig.from_pretrained(path).linear_num_value_heads // 2
+    assert {r["rank"] for r in records} == {0, 1} and len({r["pid"] for r in records}) == 2
+    assert {r["heads"] for r in records} == {heads}
+    for rank in (0, 1):
+        mine = [r for r in records if r["rank"] == rank]
+        assert any(r["tokens"] > r["sequences"] for r in mine) and any(r["tokens"] == r["sequences"] for r in mine)
+    assert len({(r["rank"], r["layer"]) for r in records}) == 2 * len({r["layer"] for r in records})
+    bad = [r for r in records if not r["ok"]]
+    assert not bad, bad[:3]
 
 
 def test_speculative_ngram_greedy_equal(models, tmp_path):

@@ -291,3 +291,95 @@ def test_kimi_mla_gather_cache_torch_form():
     with pytest.raises(NotImplementedError):
         families._OpsWithGather.gather_and_maybe_dequant_cache(cache, dst, block_table, cu_seq_lens, token_to_seq, 9,
                                                                "fp8", None)
+
+
+TRANSFORMERS_KIMI = dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                         mlp_layer_types=["dense", "sparse", "sparse", "sparse"], linear_num_heads=4,
+                         linear_head_dim=64, linear_conv_kernel_dim=4, kv_lora_rank=512)
+
+
+def test_kimi_config_in_transformers_format_converted():
+    """A Kimi Linear config.json as transformers writes it, read as Moonshot's format: 1-based
+    layer lists, the KDA sizes, the dense-first count, NoPE MLA; the other fields kept."""
+    got = families.moonshot_kimi_config(dict(TRANSFORMERS_KIMI))
+    assert got["linear_attn_config"] == dict(kda_layers=[1, 2, 3], full_attn_layers=[4], num_heads=4, head_dim=64,
+                                             short_conv_kernel_size=4)
+    assert got["first_k_dense_replace"] == 1 and got["mla_use_nope"] is True and got["kv_lora_rank"] == 512
+    given = dict(TRANSFORMERS_KIMI, linear_attn_config=dict(kda_layers=[1, 2, 3], full_attn_layers=[4], num_heads=4,
+                                                            head_dim=64, short_conv_kernel_size=4),
+                 first_k_dense_replace=1)
+    assert families.moonshot_kimi_config(given)["linear_attn_config"] == got["linear_attn_config"]
+
+
+def test_kimi_config_in_moonshot_format_kept():
+    moonshot = dict(TRANSFORMERS_KIMI, mla_use_nope=False)        # Moonshot's flag given: not touched
+    assert families.moonshot_kimi_config(moonshot) == moonshot
+    assert families.moonshot_kimi_config({"num_hidden_layers": 2}) == {"num_hidden_layers": 2}
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(mlp_layer_types=["dense", "sparse", "dense", "sparse"]), "dense MLPs only in the first layers"),
+    (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
+     "sliding_attention"),
+    (dict(linear_num_heads=None), "num_heads"),
+], ids=["dense-after-sparse", "unknown-layer-kind", "no-kda-heads"])
+def test_kimi_config_vllm_cannot_express_refused(change, match):
+    fields = {k: v for k, v in dict(TRANSFORMERS_KIMI, **change).items() if v is not None}
+    with pytest.raises(ValueError, match=match):
+        families.moonshot_kimi_config(fields)
+
+
+def test_kimi_dense_mlp_weights_renamed():
+    """transformers saves a dense layer's MLP under block_sparse_moe.; vLLM's dense layers read mlp.
+    (sparse layers keep their names; extra tuple fields pass through)."""
+    dense, sparse = types.SimpleNamespace(mlp=None), types.SimpleNamespace(block_sparse_moe=None, mlp=None)
+    model = types.SimpleNamespace(model=types.SimpleNamespace(layers=[dense, sparse]))
+    w = torch.zeros(1)
+    names = [("model.layers.0.block_sparse_moe.gate_proj.weight", w),
+             ("model.layers.1.block_sparse_moe.experts.0.w1.weight", w, {"x": 1}),
+             ("model.layers.0.self_attn.q_proj.weight", w), ("lm_head.weight", w)]
+    got = list(families._dense_mlp_names(model, iter(names)))
+    assert [g[0] for g in got] == ["model.layers.0.mlp.gate_proj.weight", names[1][0], names[2][0], names[3][0]]
+    assert got[1][2] == {"x": 1} and all(g[1] is w for g in got)
+
+
+class _NoMapping:
+    """Answers every attribute, ``__dict__`` too, with a non-mapping (as llvmlite's ``ffi.lib``)."""
+
+    def __getattr__(self, name):
+        return lambda *args: None
+
+
+def test_kernel_scan_rebinds_and_survives_objects_without_a_mapping(monkeypatch):
+    """The plugin's form of vLLM's kernel scan: module copies of a kernel and warmup owners'
+    `kernel` (instance: cached arg names dropped; class) point at the wrapper; a module holding
+    an object whose __dict__ is no mapping is scanned past (vLLM's scan raised there)."""
+    def kernel():
+        pass
+
+    def wrapper():
+        pass
+
+    class Owner:
+        kernel = None
+
+    instance = types.SimpleNamespace(kernel=kernel, _kernel_arg_names=("a",))
+    Owner.kernel = kernel
+    module = types.ModuleType("deltarule_test_scan")
+    module.copy, module.instance, module.Owner, module.lib = kernel, instance, Owner, _NoMapping()
+    monkeypatch.setitem(__import__("sys").modules, module.__name__, module)
+    families.rebind_kernels([(kernel, wrapper)])
+    assert module.copy is wrapper and instance.kernel is wrapper and Owner.kernel is wrapper
+    assert not hasattr(instance, "_kernel_arg_names")
+
+
+def test_linear_heads_that_tensor_parallelism_cannot_divide_refused():
+    def config(tp, **fields):
+        return types.SimpleNamespace(parallel_config=types.SimpleNamespace(tensor_parallel_size=tp),
+                                     model_config=types.SimpleNamespace(hf_text_config=types.SimpleNamespace(**fields)))
+    families.check_linear_heads(config(2, linear_num_key_heads=2, linear_num_value_heads=4))
+    families.check_linear_heads(config(1, linear_num_key_heads=1, linear_num_value_heads=3))
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide linear_num_key_heads=1"):
+        families.check_linear_heads(config(2, linear_num_key_heads=1, linear_num_value_heads=2))
+    with pytest.raises(ValueError, match=r"linear_attn_config.num_heads=3"):
+        families.check_linear_heads(config(2, linear_attn_config={"num_heads": 3}))

@@ -2,7 +2,8 @@
 tests and `benchmarks/vllm.py`.
 
 Shapes: ``tiny`` (hidden 128, 2 layers: one Gated DeltaNet, one softmax attention; head dims
-64, the smallest vLLM-CPU's kernels take) and ``qwen3_5_0_8b`` (Qwen3.5-0.8B's text model:
+64, the smallest vLLM-CPU's kernels take), ``tiny_tp2`` (tiny with every head count even:
+tensor parallelism over 2 ranks) and ``qwen3_5_0_8b`` (Qwen3.5-0.8B's text model:
 hidden 1024, 24 layers, 3 GDN : 1 attention, 16 key / value heads of 128, vocabulary 248320;
 as ``qwen3_next`` with dense MLPs but in the last layer, which vLLM's Qwen3-Next needs to be
 MoE: vLLM-CPU imports its Qwen3.5 models only with torchvision, which the benchmark's venv
@@ -36,7 +37,9 @@ _0_8B = dict(vocab_size=248320, hidden_size=1024, num_hidden_layers=24, num_atte
              linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
              linear_conv_kernel_dim=4, max_position_embeddings=32768, pad_token_id=0, bos_token_id=1,
              eos_token_id=2, tie_word_embeddings=True)
-SHAPES = {"tiny": _TINY, "qwen3_5_0_8b": _0_8B}
+# tiny for tensor parallelism over 2 ranks: every head count even (each rank one key head, two value heads)
+_TINY_TP2 = dict(_TINY, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4)
+SHAPES = {"tiny": _TINY, "tiny_tp2": _TINY_TP2, "qwen3_5_0_8b": _0_8B}
 
 
 def config(family: str, shape: str = "tiny"):
@@ -45,7 +48,7 @@ def config(family: str, shape: str = "tiny"):
     base = dict(SHAPES[shape])
     if family == "qwen3_next":               # at the 0.8B shape dense MLPs as Qwen3.5-0.8B has, but
         moe = _MOE                           # the last layer (vLLM's Qwen3-Next needs one MoE layer)
-        if shape != "tiny":
+        if shape == "qwen3_5_0_8b":
             moe = dict(_MOE, moe_intermediate_size=896, shared_expert_intermediate_size=896,
                        mlp_only_layers=list(range(base["num_hidden_layers"] - 1)))
         return transformers.Qwen3NextConfig(**base, **moe, partial_rotary_factor=0.25)
@@ -76,9 +79,14 @@ def config(family: str, shape: str = "tiny"):
     raise ValueError(f"unknown family {family!r}: one of {FAMILIES}")
 
 
-def save(family: str, directory: str, *, shape: str = "tiny", dtype: str = "float32", seed: int = 0) -> str:
+def save(family: str, directory: str, *, shape: str = "tiny", dtype: str = "float32", seed: int = 0,
+         kimi_format: str = "moonshot") -> str:
     """Build `family` at `shape` with random weights (seed) and save it to `directory` in `dtype`;
-    an existing checkpoint there is kept. Returns `directory`."""
+    an existing checkpoint there is kept. Returns `directory`. `kimi_format` (Kimi Linear only):
+    "moonshot" rewrites the checkpoint into Moonshot's format (`_kimi_linear_layout`, what
+    Moonshot publishes), "transformers" keeps it as transformers wrote it."""
+    if kimi_format not in ("moonshot", "transformers"):
+        raise ValueError(f"kimi_format: 'moonshot' or 'transformers', not {kimi_format!r}")
     import torch
     import transformers
     if os.path.exists(os.path.join(directory, "config.json")):
@@ -94,7 +102,7 @@ def save(family: str, directory: str, *, shape: str = "tiny", dtype: str = "floa
     model.save_pretrained(directory)
     if family == "olmo_hybrid":
         _olmo_hybrid_layout(model, directory)
-    if family == "kimi_linear":
+    if family == "kimi_linear" and kimi_format == "moonshot":
         _kimi_linear_layout(cfg, directory)
     return directory
 

@@ -12,7 +12,7 @@ tokens, 0: off), prefix_caching, max_num_batched_tokens, max_num_seqs, time_gdn 
 the seconds spent in vLLM's GDN core op per round, deltarule's or vLLM's own, as
 [[seconds, calls] of steps with more tokens than max_num_seqs (prefill), [seconds, calls] of
 the others (decode)]; needs the engine in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0,
-which it then sets).
+which it then sets), in_process (the engine in this process without timing), tensor_parallel_size.
 """
 
 import importlib
@@ -42,7 +42,7 @@ def _time_gdn(decode_tokens: int) -> None:
 
 
 def main(spec: dict) -> dict:
-    if spec.get("time_gdn"):
+    if spec.get("time_gdn") or spec.get("in_process"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if spec.get("deltarule"):
         import deltarule.integrations.vllm as dv
@@ -58,6 +58,8 @@ def main(spec: dict) -> dict:
                                        "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     if spec.get("max_num_batched_tokens"):
         extra["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    if spec.get("tensor_parallel_size", 1) > 1:         # one worker process per rank
+        extra.update(tensor_parallel_size=spec["tensor_parallel_size"], distributed_executor_backend="mp")
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec["dtype"],
               max_model_len=spec.get("max_model_len", 512), enforce_eager=True,
               max_num_seqs=spec.get("max_num_seqs", 8), seed=0,

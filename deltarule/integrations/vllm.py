@@ -26,7 +26,8 @@ convolution's `ConvPlan`, reused by every layer of the step.
 
 ``DELTARULE_VLLM_SHADOW=PATH`` checks every call against float64 twins (the convolution
 against `deltarule.conv.reference_conv1d_slab`, the recurrence against the ``reference``
-backend on the same inputs) and appends one JSON line per call to PATH (tests).
+backend on the same inputs) and appends one JSON line per call to PATH (tests; with tensor
+parallelism every rank appends its own lines, naming its rank, process and value heads).
 """
 
 from __future__ import annotations
@@ -504,11 +505,21 @@ def _shadow(path, layer, part, x, y, qkv, o, conv_state, ssm, before, weight, in
              "o": (o, ref_o), "state": (ssm[used][rows], ref_state[rows])}
     errors = {name: rel_err(got, ref.double().numpy()) for name, (got, ref) in pairs.items()}
     limits = {"conv": tol, "conv_state": 1e-7, "o": tol, "state": tol + STORE_TOL[ssm.dtype]}
-    record = dict(layer=layer.prefix, tokens=part.count, sequences=len(part.layout["lengths"]),
+    record = dict(layer=layer.prefix, rank=_rank(), pid=os.getpid(), heads=ssm.shape[1],
+                  tokens=part.count, sequences=len(part.layout["lengths"]),
                   speculative="accepted" in part.layout, dtype=str(x.dtype), state_dtype=str(ssm.dtype),
                   errors=errors, limits=limits, ok=all(errors[name] <= limits[name] for name in errors))
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def _rank() -> int | None:
+    """This process's tensor-parallel rank in vLLM (None outside a vLLM worker)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+        return get_tensor_model_parallel_rank()
+    except Exception:  # noqa: BLE001 - no vLLM, or its groups not initialised (a call outside an engine)
+        return None
 
 
 def _rows_used(part: Part) -> torch.Tensor:

@@ -20,6 +20,12 @@ their models need to build there (docs/vllm.md, "Families").
   turns prefix caching off for MLA models after the mamba cache was set up for it (the CPU
   platform's config check now finishes that switch), and its reference MLA backend refused the
   hybrid model's 128-token cache blocks (it now takes multiples of its 16-token kernel blocks).
+  A checkpoint as transformers writes it is read as Moonshot's format (`moonshot_kimi_config`,
+  dense MLP weights renamed); float32 gets vLLM-CPU's reference MLA backend where the CPU has
+  AMX (`_float32_kimi_mla`: the AMX one takes bfloat16 only).
+- Every model: vLLM-CPU's scan for Triton kernels to replace survives numba's objects
+  (`rebind_kernels`); tensor parallelism must divide the linear-attention heads
+  (`check_linear_heads`, at engine start).
 
 Every module is patched when vLLM imports it (a post-import hook), and every hook checks the
 names and parameters it relies on and logs a warning instead of hooking when they changed.
@@ -31,8 +37,11 @@ import importlib
 import importlib.abc
 import importlib.util
 import inspect
+import itertools
 import logging
+import re
 import sys
+import types
 
 import torch
 
@@ -49,18 +58,77 @@ KIMI_CLASS = "KimiGatedDeltaNetAttention"
 _KIMI_SIGNATURE = ("self", "mixed_qkv", "g1", "g2", "beta", "core_attn_out")
 KIMI_MLA_MODULE = "vllm.models.kimi_k3.nvidia.mla"
 KIMI_MODEL_MODULE = "vllm.models.kimi_k3.nvidia.model"
+KIMI_CONFIG_MODULE = "vllm.transformers_utils.configs.kimi_linear"
 CPU_MLA_PREFILL_MODULE = "vllm.v1.attention.backends.mla.prefill.cpu_sdpa"
 CPU_PLATFORM_MODULE = "vllm.platforms.cpu"
 CPU_MLA_MODULE = "vllm.v1.attention.backends.mla.cpu_mla"
+DISPATCHER_MODULE = "vllm.triton_utils.dispatcher"
 
 
 def hook_all() -> None:
     """Hook every family this module knows, each when vLLM imports its modules (warnings name
     the ones left alone)."""
+    _after_import(DISPATCHER_MODULE, _patch_kernel_scan)
     _after_import(OLMO_MODULE, _patch_olmo)
     _hook_kimi()
     _after_import(CPU_PLATFORM_MODULE, _patch_cpu_platform)
     _after_import(CPU_MLA_MODULE, _patch_cpu_mla_blocks)
+
+
+def _patch_kernel_scan(dispatcher) -> None:
+    """vLLM-CPU's worker replaces Triton kernels by C++ ones at start (`register_kernels`) and
+    rebinds every copy of them it finds in ``sys.modules`` (`_rebind_kernels`); the scan reads
+    ``vars(value)`` of every module attribute, which breaks on objects whose ``__dict__`` is
+    not a mapping: llvmlite's ``ffi.lib`` answers any attribute name with a C function, so
+    once numba is imported (Kimi's model module imports it: with the engine in the caller's
+    process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, it is imported before the worker starts)
+    the engine did not start. The same scan, reading instance dicts only where they are mappings."""
+    original = getattr(dispatcher, "_rebind_kernels", None)
+    if original is rebind_kernels:
+        return
+    if original is None or tuple(inspect.signature(original).parameters) != ("overrides",):
+        log.warning("deltarule: %s._rebind_kernels changed: its scan is left as it is (it fails once numba "
+                    "is imported)", DISPATCHER_MODULE)
+        return
+    dispatcher._rebind_kernels = rebind_kernels
+
+
+def rebind_kernels(overrides) -> None:
+    """Point every module attribute that is one of the original kernels of `overrides`
+    ((original, wrapper) pairs) at its wrapper, and every module attribute's ``kernel``
+    attribute (vLLM's JIT warmup owners, classes or instances) likewise, dropping an
+    instance's cached ``_kernel_arg_names`` (vLLM's `_rebind_kernels` contract)."""
+    wrappers = {id(original): (original, wrapper) for original, wrapper in overrides}
+
+    def wrapper_of(value):
+        hit = wrappers.get(id(value))            # by identity: some values fail on hash or ==
+        return hit[1] if hit is not None and hit[0] is value else None
+
+    for module in list(sys.modules.values()):
+        namespace = _own_dict(module)
+        if not namespace:
+            continue
+        for name, value in list(namespace.items()):
+            wrapper = wrapper_of(value)
+            if wrapper is not None:
+                setattr(module, name, wrapper)
+                continue
+            attributes = _own_dict(value)
+            wrapper = wrapper_of(attributes.get("kernel")) if attributes else None
+            if wrapper is None:
+                continue
+            value.kernel = wrapper
+            if not isinstance(value, type):
+                attributes.pop("_kernel_arg_names", None)
+
+
+def _own_dict(value):
+    """`value`'s attribute mapping without running its ``__getattr__`` (None: it has none)."""
+    try:
+        attributes = object.__getattribute__(value, "__dict__")
+    except Exception:  # noqa: BLE001 - slots-only objects, proxies: no mapping to scan
+        return None
+    return attributes if isinstance(attributes, (dict, types.MappingProxyType)) else None
 
 
 def _patch_cpu_mla_blocks(module) -> None:
@@ -99,6 +167,8 @@ def _patch_cpu_platform(module) -> None:
     def check_and_update_config(cls, vllm_config) -> None:
         cache, model = vllm_config.cache_config, vllm_config.model_config
         caching = cache.enable_prefix_caching
+        _float32_kimi_mla(vllm_config, torch.cpu._is_amx_tile_supported())
+        check_linear_heads(vllm_config)
         original(cls, vllm_config)
         if (caching and not cache.enable_prefix_caching and model is not None
                 and cache.mamba_block_size not in (None, model.max_model_len)):
@@ -107,6 +177,43 @@ def _patch_cpu_platform(module) -> None:
 
     check_and_update_config._deltarule = True
     cls.check_and_update_config = classmethod(check_and_update_config)
+
+
+def check_linear_heads(vllm_config) -> None:
+    """Tensor parallelism divides each linear-attention layer's key and value heads among the
+    ranks; vLLM does not check that they divide, and its GDN layer failed in the worker's first
+    step (a view to 0 heads). Raises ValueError naming the head count and the TP size at
+    engine start instead."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    tp = getattr(parallel, "tensor_parallel_size", 1)
+    if model is None or tp <= 1:
+        return
+    config = getattr(model, "hf_text_config", None) or model.hf_config
+    counts = {name: getattr(config, name, None) for name in ("linear_num_key_heads", "linear_num_value_heads")}
+    kda = getattr(config, "linear_attn_config", None)
+    if isinstance(kda, dict):
+        counts["linear_attn_config.num_heads"] = kda.get("num_heads")
+    for name, count in counts.items():
+        if isinstance(count, int) and count % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={count} of "
+                             f"{type(config).__name__}: each rank holds a whole share of the linear-attention heads")
+
+
+def _float32_kimi_mla(vllm_config, amx: bool) -> bool:
+    """A float32 Kimi Linear on a CPU with AMX: vLLM-CPU picks its AMX MLA backend, whose kernels
+    take bfloat16 only, and the engine failed in the worker. Its reference MLA backend (CPU_MLA:
+    the one CPUs without AMX get, decode kernel ``mla_decode_kvcache`` for any dtype) is chosen
+    instead, as a user's ``attention_config.backend="CPU_MLA"`` would (the platform's check then
+    sets its 16-token blocks and prefix caching off, as on CPUs without AMX). A backend the
+    user chose is kept. Returns True when it chose."""
+    model, attention = vllm_config.model_config, vllm_config.attention_config
+    if (not amx or model is None or model.dtype != torch.float32 or attention.backend is not None
+            or getattr(model.hf_config, "model_type", None) != "kimi_linear"):
+        return False
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    attention.backend = AttentionBackendEnum.CPU_MLA
+    log.info("deltarule: float32 Kimi Linear: vLLM-CPU's MLA backend CPU_MLA (its AMX MLA kernels take bfloat16 only)")
+    return True
 
 
 def _patch_olmo(module) -> None:
@@ -197,6 +304,7 @@ def _kimi_gates(layer, b, a) -> dict:
 def _hook_kimi() -> None:
     """Kimi Linear (module docstring): patched when vLLM imports its modules (importing them
     before vLLM's worker starts breaks the worker's scan for Triton kernels to override)."""
+    _after_import(KIMI_CONFIG_MODULE, _patch_kimi_config)
     _after_import(KIMI_MODULE, _patch_kimi_kda)
     _after_import(KIMI_MLA_MODULE, _patch_kimi_mla)
     _after_import(KIMI_MODEL_MODULE, _patch_kimi_model)
@@ -224,9 +332,94 @@ def _patch_cpu_mla_prefill(module) -> None:
 
 def _patch_kimi_model(model) -> None:
     """GEMM-AR (a CUTLASS GEMM fused with the all-reduce, on by default) does not exist on CPU:
-    its import fails. Off."""
+    its import fails. Off. And the weights of a checkpoint transformers wrote: its dense MLPs
+    are saved under ``block_sparse_moe.`` (transformers' layer has one attribute for both
+    kinds), where vLLM's dense layers have ``mlp.``."""
     if hasattr(model, "maybe_init_gemm_rs_ar"):
         model.maybe_init_gemm_rs_ar = lambda *args, **kwargs: False
+    cls = getattr(model, "KimiLinearForCausalLM", None)
+    load = getattr(cls, "load_weights", None)
+    if load is None or getattr(load, "_deltarule", False):
+        if load is None:
+            log.warning("deltarule: %s.KimiLinearForCausalLM.load_weights not found: Kimi Linear checkpoints "
+                        "written by transformers may not load", KIMI_MODEL_MODULE)
+        return
+
+    def load_weights(self, weights):
+        return load(self, _dense_mlp_names(self, weights))
+    load_weights._deltarule = True
+    cls.load_weights = load_weights
+
+
+_SPARSE_NAME = re.compile(r"^((?:model\.)?layers\.(\d+)\.)block_sparse_moe\.")
+
+
+def _dense_mlp_names(model, weights):
+    """`weights` (name, tensor, ...) with ``layers.N.block_sparse_moe.`` renamed ``layers.N.mlp.``
+    where layer N of `model` has a dense MLP (no ``block_sparse_moe`` module)."""
+    layers = model.model.layers
+    for item in weights:
+        match = _SPARSE_NAME.match(item[0])
+        if match is not None and int(match[2]) < len(layers) \
+                and not hasattr(layers[int(match[2])], "block_sparse_moe"):
+            item = (match[1] + "mlp." + item[0][match.end():], *item[1:])
+        yield item
+
+
+def _patch_kimi_config(module) -> None:
+    """vLLM reads Kimi Linear's config in Moonshot's format; transformers writes its own (layer
+    kinds in ``layer_types`` / ``mlp_layer_types``, the KDA sizes as ``linear_*`` fields, no
+    ``mla_use_nope``: its MLA never rotates). A config in transformers' format (``layer_types``
+    given, ``mla_use_nope`` not) is converted as it is read (`moonshot_kimi_config`)."""
+    cls = getattr(module, "KimiLinearConfig", None)
+    init = getattr(cls, "__init__", None)
+    if init is None or getattr(init, "_deltarule", False):
+        return
+    if "mla_use_nope" not in inspect.signature(init).parameters:
+        log.warning("deltarule: %s.KimiLinearConfig changed (no mla_use_nope): Kimi Linear checkpoints written by "
+                    "transformers are read as they are", KIMI_CONFIG_MODULE)
+        return
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **moonshot_kimi_config(kwargs))
+    __init__._deltarule = True
+    cls.__init__ = __init__
+
+
+def moonshot_kimi_config(fields: dict) -> dict:
+    """The config.json fields of a Kimi Linear checkpoint as vLLM reads them: Moonshot's format
+    as it is; transformers' format (``layer_types`` and no ``mla_use_nope``) with
+    ``linear_attn_config`` (1-based ``kda_layers`` / ``full_attn_layers``, ``num_heads``,
+    ``head_dim``, ``short_conv_kernel_size``), ``first_k_dense_replace`` and
+    ``mla_use_nope=True`` derived from its fields. Raises ValueError for a layout vLLM's model
+    cannot express (dense MLPs after a sparse one; a layer kind it has no layer for)."""
+    if "mla_use_nope" in fields or fields.get("layer_types") is None:
+        return fields
+    kinds = list(fields["layer_types"])
+    unknown = sorted(set(kinds) - {"linear_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"Kimi Linear config: layer_types {unknown} have no layer in vLLM's Kimi Linear model "
+                         "(it has linear_attention and full_attention)")
+    linear = dict(fields.get("linear_attn_config") or {})
+    linear.setdefault("kda_layers", [i + 1 for i, t in enumerate(kinds) if t == "linear_attention"])
+    linear.setdefault("full_attn_layers", [i + 1 for i, t in enumerate(kinds) if t == "full_attention"])
+    for key, name in (("num_heads", "linear_num_heads"), ("head_dim", "linear_head_dim"),
+                      ("short_conv_kernel_size", "linear_conv_kernel_dim")):
+        if key not in linear and name in fields:
+            linear[key] = fields[name]
+    missing = [k for k in ("num_heads", "head_dim", "short_conv_kernel_size") if k not in linear]
+    if missing:
+        raise ValueError(f"Kimi Linear config in transformers' format lacks the KDA sizes {missing} "
+                         "(linear_num_heads, linear_head_dim, linear_conv_kernel_dim)")
+    converted = dict(fields, linear_attn_config=linear, mla_use_nope=True)
+    mlp = fields.get("mlp_layer_types")
+    if mlp is not None and "first_k_dense_replace" not in fields:
+        dense = sum(1 for _ in itertools.takewhile(lambda kind: kind == "dense", mlp))
+        if any(kind != "sparse" for kind in mlp[dense:]):
+            raise ValueError(f"Kimi Linear config: mlp_layer_types {mlp}: vLLM's model has dense MLPs only in "
+                             "the first layers (first_k_dense_replace), sparse ones after")
+        converted["first_k_dense_replace"] = dense
+    return converted
 
 
 def _patch_kimi_kda(module) -> None:
