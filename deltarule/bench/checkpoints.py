@@ -109,20 +109,16 @@ def save(family: str, directory: str, *, shape: str = "tiny", dtype: str = "floa
 
 def _kimi_linear_layout(cfg, directory: str) -> None:
     """Rewrite a Kimi Linear checkpoint into Moonshot's format, which vLLM reads (and transformers
-    too): the layer kinds in ``linear_attn_config`` / ``first_k_dense_replace`` (vLLM ignores
-    ``mlp_layer_types``), ``mla_use_nope`` (the model's MLA has no rotary embedding; vLLM
-    asserts the flag), dense MLPs under ``mlp.`` (transformers saves them as ``block_sparse_moe.``)."""
+    too): the config as the vLLM plugin converts transformers' (`moonshot_kimi_config`: layer
+    kinds in ``linear_attn_config`` / ``first_k_dense_replace``, ``mla_use_nope``), dense MLPs
+    under ``mlp.`` (transformers saves them as ``block_sparse_moe.``)."""
     import json
     from safetensors.torch import load_file, save_file
+    from ..integrations.vllm_families import moonshot_kimi_config
     dense = [i for i, kind in enumerate(cfg.mlp_layer_types) if kind == "dense"]
-    assert dense == list(range(len(dense))), "Moonshot's format: dense layers first"
     path = os.path.join(directory, "config.json")
     with open(path) as f:
-        c = json.load(f)
-    c.update(mla_use_nope=True, first_k_dense_replace=len(dense), linear_attn_config=dict(
-        head_dim=cfg.linear_head_dim, num_heads=cfg.linear_num_heads, short_conv_kernel_size=cfg.linear_conv_kernel_dim,
-        full_attn_layers=[i + 1 for i, t in enumerate(cfg.layer_types) if t == "full_attention"],
-        kda_layers=[i + 1 for i, t in enumerate(cfg.layer_types) if t == "linear_attention"]))
+        c = moonshot_kimi_config(json.load(f))       # (refuses dense layers after sparse ones)
     with open(path, "w") as f:
         json.dump(c, f, indent=2)
     path = os.path.join(directory, "model.safetensors")

@@ -339,10 +339,11 @@ def _patch_kimi_model(model) -> None:
         model.maybe_init_gemm_rs_ar = lambda *args, **kwargs: False
     cls = getattr(model, "KimiLinearForCausalLM", None)
     load = getattr(cls, "load_weights", None)
-    if load is None or getattr(load, "_deltarule", False):
-        if load is None:
-            log.warning("deltarule: %s.KimiLinearForCausalLM.load_weights not found: Kimi Linear checkpoints "
-                        "written by transformers may not load", KIMI_MODEL_MODULE)
+    if load is None:
+        log.warning("deltarule: %s.KimiLinearForCausalLM.load_weights not found: Kimi Linear checkpoints "
+                    "written by transformers may not load", KIMI_MODEL_MODULE)
+        return
+    if getattr(load, "_deltarule", False):
         return
 
     def load_weights(self, weights):
