@@ -18,7 +18,7 @@ setup(ext_modules=[Extension(
     sources=["deltarule/kernels/csrc/recurrent.c", "deltarule/kernels/csrc/backward.c",
              "deltarule/kernels/csrc/conv.c"],
     depends=["deltarule/kernels/csrc/vector.h", "deltarule/kernels/csrc/elements.h",
-             "deltarule/kernels/csrc/host_threads.h"],
+             "deltarule/kernels/csrc/host_threads.h", "deltarule/kernels/csrc/fields.h"],
     extra_compile_args=["-O3", "-march=native", "-std=gnu11", "-pthread", "-Wno-psabi"],
     extra_link_args=["-pthread"],
     optional=True,

@@ -13,7 +13,7 @@ import torch
 import deltarule
 from deltarule import backends, batch, cases
 from deltarule.backends import cpu_backend
-from deltarule.kernels import cpu_recurrent
+from deltarule.kernels import cpu_layout, cpu_recurrent
 from deltarule.check import expected
 
 from conftest import rel
@@ -27,6 +27,26 @@ CASE = {"name": "cpu", "seed": 5, "B": 3, "T": 37, "Hq": 8, "Hk": 4, "Hv": 4, "K
 
 def test_kernel_is_built_where_a_compiler_exists():
     assert cpu_backend.available(), "pip install did not build deltarule/kernels/csrc/recurrent.c"
+
+
+@pytest.mark.parametrize("layout, exported", [
+    (cpu_layout.PROBLEM, "deltarule_problem_fields"), (cpu_layout.BACKWARD, "deltarule_backward_problem_fields"),
+    (cpu_layout.CONV, "deltarule_conv_problem_fields")], ids=lambda x: getattr(x, "name", None))
+def test_binding_layouts_are_checked_field_by_field_against_the_c_structs(layout, exported):
+    """The binding's tables match the compiled structs, and a table with two fields of one type
+    swapped (same total size, which a size check would pass) is refused naming them."""
+    symbol = getattr(cpu_recurrent._LIB, exported)
+    layout.check(symbol)
+    fields = list(layout._fields)
+    i = next(n for n in range(len(fields) - 1) if fields[n][1:] == fields[n + 1][1:] == ("i", 1)
+             or fields[n][1:] == fields[n + 1][1:] == ("q", 1))
+    fields[i], fields[i + 1] = fields[i + 1], fields[i]
+    swapped = cpu_layout.Layout(layout.name, tuple(fields))
+    assert swapped.size == layout.size
+    with pytest.raises(ImportError, match=f"{fields[i][0]}: C .*{fields[i + 1][0]}: C "):
+        swapped.check(symbol)
+    with pytest.raises(ImportError, match="in C only"):
+        cpu_layout.Layout(layout.name, tuple(layout._fields[:-1])).check(symbol)
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
@@ -228,7 +248,7 @@ def _operands(B, T, Hq, Hk, Hv, K, V, decay="gk", update="erase_write", seed=0):
 
 def _call(x, S0, S, spans, token_rows=None, o=None, stream_state=False, threads=2):
     """cpu_recurrent.Recurrence on operands x; returns o (a fresh torch.empty unless given)."""
-    from deltarule.kernels import cpu_recurrent
+    from deltarule.kernels import cpu_layout, cpu_recurrent
 
     B, T, Hv, V = x["v"].shape
     if o is None:

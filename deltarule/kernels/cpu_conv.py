@@ -4,15 +4,14 @@ its operands and owns the semantics. Compute only: no checks beyond the struct's
 call."""
 
 import ctypes
-import struct
 import threading
 
 import torch
 
+from .cpu_layout import CONV, MAX_PARTS
 from .cpu_recurrent import _LIB
 
 _TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-MAX_PARTS = 4
 CHANNEL_BLOCK = 512          # conv.c's CB: a task is one sequence's block of channels
 # a thread per this many (token, channel) elements: a B = 8 decode step of 6144 channels takes
 # 2 threads (~0.1 ms on one), a B = 1 step one. Threads only from torch's OpenMP pool
@@ -20,14 +19,12 @@ CHANNEL_BLOCK = 512          # conv.c's CB: a task is one sequence's block of ch
 ELEMENTS_PER_THREAD = 1 << 14
 
 
-# csrc/conv.c's `conv_problem`: x out wt bias state seq (pointers); x_row s_slot s_col s_chan N C W
-# (int64); x_type s_type rolling silu gather parts (int32); cut[MAX_PARTS + 1], part_base[MAX_PARTS]
-_PROBLEM = struct.Struct(f"@6P7q6i{MAX_PARTS + 1}q{MAX_PARTS}q")
-_ADDRESSES = struct.Struct("@5P")     # its first fields: x out wt bias state
+# a run repacks the addresses of the operands, the struct's first fields
+_ADDRESSES = CONV.leading("x", "out", "wt", "bias", "state")
 
 
 def available() -> bool:
-    return _LIB is not None and _LIB.deltarule_conv_problem_size() == _PROBLEM.size
+    return _LIB is not None
 
 
 class ConvLaunch:
@@ -45,11 +42,12 @@ class ConvLaunch:
             cut.append(cut[-1] + width)
         pad = MAX_PARTS - len(splits)
         self._seq = seq
-        self._buf = bytearray(_PROBLEM.pack(
-            x.data_ptr(), out.data_ptr(), wt.data_ptr(), 0 if bias is None else bias.data_ptr(), state.data_ptr(),
-            seq.data_ptr(), x.stride(0), *state.stride(), seq.shape[0], x.shape[1], wt.shape[0], _TYPES[x.dtype],
-            _TYPES[state.dtype], int(rolling), int(silu), int(gather), len(splits), *cut, *[0] * pad, *base,
-            *[0] * pad))
+        self._buf = CONV.pack(
+            x=x.data_ptr(), out=out.data_ptr(), wt=wt.data_ptr(), bias=0 if bias is None else bias.data_ptr(),
+            state=state.data_ptr(), seq=seq.data_ptr(), x_row=x.stride(0), s_slot=state.stride(0),
+            s_col=state.stride(1), s_chan=state.stride(2), N=seq.shape[0], C=x.shape[1], W=wt.shape[0],
+            x_type=_TYPES[x.dtype], s_type=_TYPES[state.dtype], rolling=int(rolling), silu=int(silu),
+            gather=int(gather), parts=len(splits), cut=(*cut, *[0] * pad), part_base=(*base, *[0] * pad))
         self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
         blocks = (x.shape[1] + CHANNEL_BLOCK - 1) // CHANNEL_BLOCK
         self.threads = max(1, min(seq.shape[0] * blocks, T * x.shape[1] // ELEMENTS_PER_THREAD))

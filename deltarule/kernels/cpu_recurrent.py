@@ -25,22 +25,16 @@ import threading
 
 import torch
 
+from .cpu_layout import BACKWARD, CONV, PROBLEM
+
 ABSENT, SCALAR, CHANNEL = 0, 1, 2        # gate forms, as in recurrent.c
 TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # element types, as in recurrent.c
 OK, NO_MEMORY, POSITIVE_G, POSITIVE_GK, SHARED = 0, 1, 2, 3, 4      # deltarule_recurrent's results
 
-# recurrent.c's `problem`, field by field in native alignment:
-# q k v g gk b w a_log dt_bias s0 s o (the operands: `_OPERANDS`) bad spans token_rows owner
-# u_out (pointers); N T Hv K V G rq rk token_cols tokens checkpoint, s0_stride[4],
-# s_stride[4], slab_bytes, operand_bytes[9] (int64); b_form w_form qk_type v_type g_type gk_type b_type w_type s0_type
-# s_type a_type dtb_type raw_gate gate_sigmoid check_decay stream_state prefetch_next qk_l2norm (int);
-# l2norm_eps scale (float)
-_PROBLEM = struct.Struct("@17P29q18i2f")
-_OPERANDS = struct.Struct("@12P")
+# a run repacks the operands' addresses, the struct's first fields
+_OPERANDS = PROBLEM.leading("q", "k", "v", "g", "gk", "b", "w", "a_log", "dt_bias", "s0", "s", "o")
+_BAD = PROBLEM.offset("bad")
 _NO_STRIDES = (0, 0, 0, 0)
-# backward.c's `bproblem`: q k v u g gk b w ck ds dout spans dq dk dv dlam db dw ds0 (pointers);
-# N T Hv K V G rq rk chunk (int64); b_form w_form (int); scale (float)
-_BACKWARD = struct.Struct("@19P9q2if")
 
 
 def _load():
@@ -55,19 +49,15 @@ def _load():
     lib = ctypes.CDLL(path)
     lib.deltarule_recurrent.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.deltarule_recurrent.restype = ctypes.c_int
-    lib.deltarule_problem_size.restype = ctypes.c_size_t
     lib.deltarule_backward.argtypes = [ctypes.c_char_p, ctypes.c_int]
     lib.deltarule_backward.restype = ctypes.c_int
-    lib.deltarule_backward_problem_size.restype = ctypes.c_size_t
     lib.deltarule_conv.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.deltarule_conv.restype = ctypes.c_int
     lib.deltarule_use_host_threads.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.deltarule_use_host_threads.restype = None
-    lib.deltarule_conv.restype = ctypes.c_int
-    lib.deltarule_conv_problem_size.restype = ctypes.c_size_t
-    if (lib.deltarule_problem_size() != struct.calcsize(_PROBLEM.format + "0q")
-            or lib.deltarule_backward_problem_size() != struct.calcsize(_BACKWARD.format + "0q")):
-        raise ImportError("deltarule cpu kernel: the binding's problem layout does not match the C files "
-                          "(rebuild: pip install --no-build-isolation -e .)")
+    PROBLEM.check(lib.deltarule_problem_fields)
+    BACKWARD.check(lib.deltarule_backward_problem_fields)
+    CONV.check(lib.deltarule_conv_problem_fields)
     return lib
 
 
@@ -202,16 +192,20 @@ class Recurrence:
         self._keep = (spans, token_rows, owner, u_out)       # the tables the struct points to
         self._bad = torch.zeros(1, dtype=torch.int64)
         rows, cols = (0, 0) if token_rows is None else (token_rows.data_ptr(), token_rows.shape[1])
-        self._buf = bytearray(_PROBLEM.pack(
-            *operands(q, k, v, g, gk, b, w, a_log, dt_bias, S0, S, o), self._bad.data_ptr(),
-            spans.data_ptr(), rows, _ptr(owner), _ptr(u_out),
-            spans.shape[0], T, Hv, k.shape[3], V, q.shape[3], Hv // q.shape[2], Hv // k.shape[2], cols, B * T,
-            checkpoint, *(_NO_STRIDES if S0 is None else S0.stride()), *S.stride(), slab_bytes, *operand_bytes,
-            _form(b), _form(w), TYPES[q.dtype], TYPES[v.dtype], _type(g), _type(gk), _type(b), _type(w),
-            0 if S0 is None else TYPES[S0.dtype], TYPES[S.dtype], _type(a_log), _type(dt_bias),
-            bool(raw_gate), bool(gate_sigmoid), bool(check_decay), bool(stream_state), bool(prefetch_next),
-            l2norm_eps is not None,
-            0.0 if l2norm_eps is None else l2norm_eps, scale))
+        q_, k_, v_, g_, gk_, b_, w_, a_log_, dt_bias_, s0_, s_, o_ = operands(q, k, v, g, gk, b, w, a_log, dt_bias,
+                                                                         S0, S, o)
+        self._buf = PROBLEM.pack(
+            q=q_, k=k_, v=v_, g=g_, gk=gk_, b=b_, w=w_, a_log=a_log_, dt_bias=dt_bias_, s0=s0_, s=s_, o=o_,
+            bad=self._bad.data_ptr(), spans=spans.data_ptr(), token_rows=rows, owner=_ptr(owner), u_out=_ptr(u_out),
+            N=spans.shape[0], T=T, Hv=Hv, K=k.shape[3], V=V, G=q.shape[3], rq=Hv // q.shape[2], rk=Hv // k.shape[2],
+            token_cols=cols, tokens=B * T, checkpoint=checkpoint,
+            s0_stride=_NO_STRIDES if S0 is None else S0.stride(), s_stride=S.stride(), slab_bytes=slab_bytes,
+            operand_bytes=operand_bytes, b_form=_form(b), w_form=_form(w), qk_type=TYPES[q.dtype],
+            v_type=TYPES[v.dtype], g_type=_type(g), gk_type=_type(gk), b_type=_type(b), w_type=_type(w),
+            s0_type=0 if S0 is None else TYPES[S0.dtype], s_type=TYPES[S.dtype], a_type=_type(a_log),
+            dtb_type=_type(dt_bias), raw_gate=bool(raw_gate), gate_sigmoid=bool(gate_sigmoid),
+            check_decay=bool(check_decay), stream_state=bool(stream_state), prefetch_next=bool(prefetch_next),
+            qk_l2norm=l2norm_eps is not None, l2norm_eps=0.0 if l2norm_eps is None else l2norm_eps, scale=scale)
         self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
         self._busy = threading.Lock()
 
@@ -244,7 +238,7 @@ class Recurrence:
         buf = bytearray(self._buf)
         bad = torch.zeros(1, dtype=torch.int64)
         _OPERANDS.pack_into(buf, 0, *pointers)
-        struct.pack_into("@P", buf, _OPERANDS.size, bad.data_ptr())     # `bad` follows the operands
+        struct.pack_into("@P", buf, _BAD, bad.data_ptr())
         result = self._result(_LIB.deltarule_recurrent(ctypes.addressof(ctypes.c_char.from_buffer(buf)), threads))
         if result != OK:
             self._bad.copy_(bad)
@@ -285,13 +279,13 @@ def backward(q, k, v, u, g, gk, b, w, ck, ds, do, spans, dq, dk, dv, dlam, db, d
     (written for every sequence).
     """
     B, T, Hv, V = v.shape
-    packed = _BACKWARD.pack(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), u.data_ptr(), _ptr(g), _ptr(gk), _ptr(b), _ptr(w), ck.data_ptr(),
-        _ptr(ds),
-        do.data_ptr(), spans.data_ptr(), _ptr(dq), dk.data_ptr(), dv.data_ptr(), _ptr(dlam), _ptr(db), _ptr(dw),
-        _ptr(ds0), spans.shape[0], T, Hv, k.shape[3], V, q.shape[3], Hv // q.shape[2], Hv // k.shape[2], chunk,
-        _form(b), _form(w), scale)
-    if _LIB.deltarule_backward(packed, threads):
+    packed = BACKWARD.pack(
+        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), u=u.data_ptr(), g=_ptr(g), gk=_ptr(gk), b=_ptr(b), w=_ptr(w),
+        ck=ck.data_ptr(), ds=_ptr(ds), dout=do.data_ptr(), spans=spans.data_ptr(), dq=_ptr(dq), dk=dk.data_ptr(),
+        dv=dv.data_ptr(), dlam=_ptr(dlam), db=_ptr(db), dw=_ptr(dw), ds0=_ptr(ds0), N=spans.shape[0], T=T, Hv=Hv,
+        K=k.shape[3], V=V, G=q.shape[3], rq=Hv // q.shape[2], rk=Hv // k.shape[2], chunk=chunk, b_form=_form(b),
+        w_form=_form(w), scale=scale)
+    if _LIB.deltarule_backward(bytes(packed), threads):
         raise MemoryError("deltarule cpu kernel: no memory for a backward thread's scratch")
 
 

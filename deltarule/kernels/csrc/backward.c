@@ -34,6 +34,7 @@
 #include <immintrin.h>
 #endif
 
+#include "fields.h"
 #include "vector.h"
 
 typedef struct {
@@ -56,7 +57,20 @@ typedef struct {
     float scale;
 } bproblem;
 
-size_t deltarule_backward_problem_size(void) { return sizeof(bproblem); }
+/* every field of `bproblem`, for the binding's check of its layout (fields.h) */
+static const field bproblem_fields[] = {
+    FIELD(bproblem, q), FIELD(bproblem, k), FIELD(bproblem, v), FIELD(bproblem, u),
+    FIELD(bproblem, g), FIELD(bproblem, gk), FIELD(bproblem, b), FIELD(bproblem, w),
+    FIELD(bproblem, ck), FIELD(bproblem, ds), FIELD(bproblem, dout), FIELD(bproblem, spans),
+    FIELD(bproblem, dq), FIELD(bproblem, dk), FIELD(bproblem, dv), FIELD(bproblem, dlam),
+    FIELD(bproblem, db), FIELD(bproblem, dw), FIELD(bproblem, ds0), FIELD(bproblem, N),
+    FIELD(bproblem, T), FIELD(bproblem, Hv), FIELD(bproblem, K), FIELD(bproblem, V),
+    FIELD(bproblem, G), FIELD(bproblem, rq), FIELD(bproblem, rk), FIELD(bproblem, chunk),
+    FIELD(bproblem, b_form), FIELD(bproblem, w_form), FIELD(bproblem, scale),
+    {NULL, 0, sizeof(bproblem)},        /* the end, with the struct's size */
+};
+
+const field *deltarule_backward_problem_fields(void) { return bproblem_fields; }
 
 /* A thread's scratch. Per chunk: [chunk + 1, K, Vp] states, and per token [chunk, K] k, d,
  * b and b*k, [chunk, Vp] v, w and u (w*v - r); then [K, Vp] dS and per-token vectors. */

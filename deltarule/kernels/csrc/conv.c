@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fields.h"
 #include "vector.h"
 #include "elements.h"
 #include "host_threads.h"
@@ -35,7 +36,19 @@ typedef struct {
     int64_t cut[MAX_PARTS + 1], part_base[MAX_PARTS];
 } conv_problem;
 
-size_t deltarule_conv_problem_size(void) { return sizeof(conv_problem); }
+/* every field of `conv_problem`, for the binding's check of its layout (fields.h) */
+static const field conv_problem_fields[] = {
+    FIELD(conv_problem, x), FIELD(conv_problem, out), FIELD(conv_problem, wt),
+    FIELD(conv_problem, bias), FIELD(conv_problem, state), FIELD(conv_problem, seq),
+    FIELD(conv_problem, x_row), FIELD(conv_problem, s_slot), FIELD(conv_problem, s_col),
+    FIELD(conv_problem, s_chan), FIELD(conv_problem, N), FIELD(conv_problem, C),
+    FIELD(conv_problem, W), FIELD(conv_problem, x_type), FIELD(conv_problem, s_type),
+    FIELD(conv_problem, rolling), FIELD(conv_problem, silu), FIELD(conv_problem, gather),
+    FIELD(conv_problem, parts), FIELD(conv_problem, cut), FIELD(conv_problem, part_base),
+    {NULL, 0, sizeof(conv_problem)},        /* the end, with the struct's size */
+};
+
+const field *deltarule_conv_problem_fields(void) { return conv_problem_fields; }
 
 #define CB 512              /* channels per block */
 #define MAX_W 16

@@ -70,6 +70,7 @@
 #include <immintrin.h>
 #endif
 
+#include "fields.h"
 #include "vector.h"
 #include "host_threads.h"
 #include "elements.h"
@@ -312,8 +313,26 @@ typedef struct {
     float scale;
 } problem;
 
-/* sizeof(problem), for the binding's check of its layout */
-size_t deltarule_problem_size(void) { return sizeof(problem); }
+/* every field of `problem`, for the binding's check of its layout (fields.h) */
+static const field problem_fields[] = {
+    FIELD(problem, q), FIELD(problem, k), FIELD(problem, v), FIELD(problem, g), FIELD(problem, gk),
+    FIELD(problem, b), FIELD(problem, w), FIELD(problem, a_log), FIELD(problem, dt_bias),
+    FIELD(problem, s0), FIELD(problem, s), FIELD(problem, o), FIELD(problem, bad),
+    FIELD(problem, spans), FIELD(problem, token_rows), FIELD(problem, owner), FIELD(problem, u_out),
+    FIELD(problem, N), FIELD(problem, T), FIELD(problem, Hv), FIELD(problem, K), FIELD(problem, V),
+    FIELD(problem, G), FIELD(problem, rq), FIELD(problem, rk), FIELD(problem, token_cols),
+    FIELD(problem, tokens), FIELD(problem, checkpoint), FIELD(problem, s0_stride),
+    FIELD(problem, s_stride), FIELD(problem, slab_bytes), FIELD(problem, operand_bytes),
+    FIELD(problem, b_form), FIELD(problem, w_form), FIELD(problem, qk_type), FIELD(problem, v_type),
+    FIELD(problem, g_type), FIELD(problem, gk_type), FIELD(problem, b_type), FIELD(problem, w_type),
+    FIELD(problem, s0_type), FIELD(problem, s_type), FIELD(problem, a_type),
+    FIELD(problem, dtb_type), FIELD(problem, raw_gate), FIELD(problem, gate_sigmoid),
+    FIELD(problem, check_decay), FIELD(problem, stream_state), FIELD(problem, prefetch_next),
+    FIELD(problem, qk_l2norm), FIELD(problem, l2norm_eps), FIELD(problem, scale),
+    {NULL, 0, sizeof(problem)},        /* the end, with the struct's size */
+};
+
+const field *deltarule_problem_fields(void) { return problem_fields; }
 
 /* A thread's scratch, reused by its tasks. Key-side rows are per token of a block. */
 typedef struct {
