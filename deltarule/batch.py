@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -94,7 +93,10 @@ class BatchPlan:
     max_len: int = field(init=False)
     steps: int = field(init=False)
     dense: bool = field(init=False)
-    handle: torch.Tensor = field(init=False, repr=False, compare=False)
+    # what the plan was built from: (cu_seqlens, seq_lens, state_indices, num_accepted_tokens),
+    # host int64 copies, None where not given (`build`): how a traced call passes the plan to
+    # the ops (deltarule.library), which find or rebuild it by these values
+    indices: tuple = field(default=(None, None, None, None), repr=False, compare=False)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -108,9 +110,6 @@ class BatchPlan:
         set_("steps", sum(lengths) + len(lengths))
         # sequence n is batch row n, whole and live: no packing, no owner table
         set_("dense", not self.varlen and all(s.read >= 0 for s in self.spans))
-        # what a compiled call passes instead of the plan (deltarule.library): found by its address
-        set_("handle", torch.zeros(1, dtype=torch.int8))
-        _HANDLES[self.handle.data_ptr()] = self
 
     @property
     def in_place(self) -> bool:
@@ -215,18 +214,6 @@ class BatchPlan:
             raise ContractError("plan", expected + " (initial_state's rows)", actual)
 
 
-# plan.handle's address -> the plan
-_HANDLES: "weakref.WeakValueDictionary[int, BatchPlan]" = weakref.WeakValueDictionary()
-
-
-def plan_of_handle(handle: torch.Tensor) -> BatchPlan:
-    """The plan whose `handle` is this tensor (a compiled call's stand-in for it)."""
-    plan = _HANDLES.get(handle.data_ptr())
-    if plan is None or plan.handle.data_ptr() != handle.data_ptr():
-        raise RuntimeError("deltarule: a compiled call's plan handle names no live BatchPlan")
-    return plan
-
-
 def plan_batch(
     B: int,
     T: int,
@@ -293,6 +280,16 @@ def plan_batch(
 def build(B, T, device, *, cu_seqlens, seq_lens, state_indices, num_accepted_tokens, num_slots) -> BatchPlan:
     """The plan of validated sizes B, T on `device`; `num_slots` is the slab's rows with
     state_indices (checked by the caller). Raises ContractError naming the index argument."""
+    plan = _build(B, T, device, cu_seqlens=cu_seqlens, seq_lens=seq_lens, state_indices=state_indices,
+                  num_accepted_tokens=num_accepted_tokens, num_slots=num_slots)
+    given = (cu_seqlens, seq_lens, state_indices, num_accepted_tokens)
+    if any(x is not None for x in given):           # (read to the host already: no further sync)
+        object.__setattr__(plan, "indices", tuple(None if x is None else x.to("cpu", torch.int64, copy=True)
+                                                  for x in given))
+    return plan
+
+
+def _build(B, T, device, *, cu_seqlens, seq_lens, state_indices, num_accepted_tokens, num_slots) -> BatchPlan:
     if cu_seqlens is None and seq_lens is None and state_indices is None:
         if num_accepted_tokens is not None:
             raise ContractError("num_accepted_tokens", "None without 2-D state_indices [N, L]", "a tensor")

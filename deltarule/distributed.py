@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import api
+from . import api, arguments
 from .errors import ContractError
 
 __all__ = ["linear_attention", "Piece", "pieces"]
@@ -556,3 +556,8 @@ def _chain(table, gathered, rank, h0, N, Hv, K, V, device):
             S = torch.einsum("hij,hjv->hiv", M, S) + X
         finals.append(S)
     return (torch.stack(incoming) if incoming else None), torch.stack(finals)
+
+
+# the serving arguments are not accepted (a slab is updated in place on one device)
+arguments.check_signature(linear_attention, without=("seq_lens", "state_indices", "num_accepted_tokens", "plan"),
+                          extra=("group",))

@@ -1,9 +1,10 @@
-"""deltarule as torch custom ops (`torch.library`): what `torch.compile` sees of a call.
+"""deltarule as torch custom ops (`torch.library`): what `torch.compile` and `torch.export` see
+of a call. Registered when deltarule is imported.
 
 `linear_attention` (and the contract adapters, the fla drop-ins, so the transformers
-integration) run eagerly as Python. Traced by Dynamo (`torch.compiler.is_compiling()`), a
-call becomes one of these ops instead, so a compiled function or model runs without a graph
-break, `fullgraph=True` included:
+integration) run eagerly as Python. Traced (`torch.compiler.is_compiling()`: Dynamo,
+`torch.export`), a call becomes one of these ops instead, so a compiled function or model
+runs without a graph break, `fullgraph=True` included, and an exported program holds them:
 
 - ``deltarule::linear_attention``: every call without a slab; returns a fresh ``(o, state)``.
   Differentiable (`register_autograd`): its backward is ``deltarule::linear_attention_backward``,
@@ -14,14 +15,16 @@ break, `fullgraph=True` included:
   ``deltarule::check_slab`` (no outputs, kept by dead-code elimination): the aliasing rule on the
   caller's tensors, which a functionalized graph does not hand the slab op.
 
-The ops' arguments are `linear_attention`'s, but a plan travels as its ``handle`` (a
-one-element tensor the plan owns; the op finds the plan by its address,
-`batch.plan_of_handle`): the traced code
-reads nothing on the host, the plan's tables stay with it. The implementation is the eager
-path itself (`api.call`), validation included: an invalid call raises `ContractError` when
-the compiled code runs it. The fake implementations give the outputs' shapes and dtypes from
-the inputs' alone (``num_states``: the rows of a fresh state, from the plan, ``cu_seqlens`` or
-B, fixed when the call is traced).
+The ops' arguments are the record's (`deltarule.arguments.op_schema`, in its order), but a
+plan travels as the host copies of the index tensors it was built from (``plan_cu_seqlens``,
+``plan_seq_lens``, ``plan_state_indices``, ``plan_num_accepted_tokens``: `BatchPlan.indices`),
+its ``plan_layout`` [B, T, num_slots (-1: none)] and ``plan_device``, by whose values the op
+finds the plan or rebuilds it (`engine.plan_of_indices`): the traced code reads nothing on
+the host, and an exported program keeps them as constants. The
+implementation is the eager path itself (`engine.run_call`), validation included: an invalid call
+raises `ContractError` when the compiled code runs it. The fake implementations give the
+outputs' shapes and dtypes from the inputs' alone (``num_states``: the rows of a fresh state,
+from the plan, ``cu_seqlens`` or B, fixed when the call is traced).
 
 Example (a decode step on slab rows, compiled whole; any Dynamo backend, "eager" keeps it quick)::
 
@@ -43,141 +46,93 @@ from __future__ import annotations
 
 import torch
 
-from . import aliasing
-from .batch import plan_of_handle
+from . import aliasing, arguments, engine
+
+_OP_NAMES = arguments.op_names()
+_PLAN_INDICES = arguments.PLAN_INDICES
+# the ops' inputs a gradient reaches, by position in their schema
+_DIFFERENTIABLE = tuple(_OP_NAMES.index(n) for n in arguments.OPERANDS)
+_SLAB_CHECKED = tuple(n for n in arguments.OPERANDS if n != "initial_state")
+
+_LIB = torch.library.Library("deltarule", "DEF")
+_LIB.define(f"linear_attention({arguments.op_schema(slab=False)}, int num_states) -> (Tensor, Tensor)")
+_LIB.define(f"linear_attention_slab({arguments.op_schema(slab=True)}) -> Tensor")
+_LIB.define(f"linear_attention_backward(Tensor do, Tensor dstate, {arguments.op_schema(slab=False)}) -> Tensor[]")
+_LIB.define(f"check_slab(Tensor initial_state, {', '.join(f'Tensor? {n}' for n in _SLAB_CHECKED)}) -> ()")
+_ops = torch.ops.deltarule
 
 
-def _run(q, k, v, g, gk, beta, erase, write, initial_state, cu_seqlens, seq_lens, state_indices,
-         num_accepted_tokens, plan_handle, A_log, dt_bias, rule, scale, state_layout, qk_l2norm, l2norm_eps,
-         beta_sigmoid, chunk_size, backend, accept_growth):
-    from . import api
-
-    return api.call(q, k, v, rule=rule, g=g, gk=gk, beta=beta, erase=erase, write=write, scale=scale,
-                    initial_state=initial_state, state_layout=state_layout, cu_seqlens=cu_seqlens,
-                    seq_lens=seq_lens, state_indices=state_indices, num_accepted_tokens=num_accepted_tokens,
-                    plan=None if plan_handle is None else plan_of_handle(plan_handle), qk_l2norm=qk_l2norm,
-                    l2norm_eps=l2norm_eps, A_log=A_log, dt_bias=dt_bias, beta_sigmoid=beta_sigmoid, chunk_size=chunk_size, backend=backend,
-                    accept_growth=accept_growth)
+def _call(args: tuple) -> dict:
+    """An op's arguments (schema order) as the engine's call; the plan found by its indices."""
+    call = dict(zip(_OP_NAMES, args))
+    indices = tuple(call.pop(n) for n in _PLAN_INDICES)
+    layout, device = call.pop("plan_layout"), call.pop("plan_device")
+    call["plan"] = None if layout is None else engine.plan_of_indices(indices, layout, device)
+    return call
 
 
-@torch.library.custom_op("deltarule::linear_attention", mutates_args=())
-def linear_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, gk: torch.Tensor | None,
-    beta: torch.Tensor | None, erase: torch.Tensor | None, write: torch.Tensor | None,
-    initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, seq_lens: torch.Tensor | None,
-    plan_handle: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, rule: str,
-    scale: float | None, state_layout: str, qk_l2norm: bool, l2norm_eps: float, beta_sigmoid: bool,
-    chunk_size: int, backend: str, accept_growth: bool, num_states: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _linear_attention(*args):
     """`deltarule.linear_attention` without a slab: (o [B, T, Ho, V], state [num_states, Hv, ...])."""
-    o, state = _run(q, k, v, g, gk, beta, erase, write, initial_state, cu_seqlens, seq_lens, None, None,
-                    plan_handle, A_log, dt_bias, rule, scale, state_layout, qk_l2norm, l2norm_eps, beta_sigmoid,
-                    chunk_size, backend, accept_growth)
+    call = _call(args[:-1])
+    o, state = engine.run_call(call)
     # a custom op's outputs never alias its inputs (a backend may return a view of one: T = 0)
-    return _fresh(o, (q, k, v)), _fresh(state, (initial_state,))
+    return _fresh(o, (call["q"], call["k"], call["v"])), _fresh(state, (call["initial_state"],))
 
 
-@linear_attention.register_fake
-def _(q, k, v, g, gk, beta, erase, write, initial_state, cu_seqlens, seq_lens, plan_handle, A_log, dt_bias,
-      rule, scale, state_layout, qk_l2norm, l2norm_eps, beta_sigmoid, chunk_size, backend, accept_growth,
-      num_states):
+def _linear_attention_fake(*args):
+    call = dict(zip(_OP_NAMES, args))
+    q, v, initial_state = call["q"], call["v"], call["initial_state"]
     B, T, Hq, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
-    o = v.new_empty(B, T, max(Hq, Hv), V)
-    tail = (Hv, K, V) if state_layout == "kv" else (Hv, V, K)
+    tail = (Hv, K, V) if call["state_layout"] == "kv" else (Hv, V, K)
     dtype = torch.float32 if initial_state is None else initial_state.dtype
-    return o, q.new_empty(num_states, *tail, dtype=dtype)
+    return v.new_empty(B, T, max(Hq, Hv), V), q.new_empty(args[-1], *tail, dtype=dtype)
 
 
-@torch.library.custom_op("deltarule::linear_attention_slab", mutates_args=("initial_state",))
-def linear_attention_slab(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, gk: torch.Tensor | None,
-    beta: torch.Tensor | None, erase: torch.Tensor | None, write: torch.Tensor | None,
-    initial_state: torch.Tensor, cu_seqlens: torch.Tensor | None, seq_lens: torch.Tensor | None,
-    state_indices: torch.Tensor | None, num_accepted_tokens: torch.Tensor | None,
-    plan_handle: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, rule: str,
-    scale: float | None, state_layout: str, qk_l2norm: bool, l2norm_eps: float, beta_sigmoid: bool,
-    chunk_size: int, backend: str, accept_growth: bool,
-) -> torch.Tensor:
+def _linear_attention_slab(*args):
     """`deltarule.linear_attention` on a slab: updates `initial_state` in place, returns o."""
-    o, _ = _run(q, k, v, g, gk, beta, erase, write, initial_state, cu_seqlens, seq_lens, state_indices,
-                num_accepted_tokens, plan_handle, A_log, dt_bias, rule, scale, state_layout, qk_l2norm,
-                l2norm_eps, beta_sigmoid, chunk_size, backend, accept_growth)
-    return _fresh(o, (q, k, v))
+    call = _call(args)
+    o, _ = engine.run_call(call)
+    return _fresh(o, (call["q"], call["k"], call["v"]))
 
 
-@linear_attention_slab.register_fake
-def _(q, k, v, g, gk, beta, erase, write, initial_state, cu_seqlens, seq_lens, state_indices,
-      num_accepted_tokens, plan_handle, A_log, dt_bias, rule, scale, state_layout, qk_l2norm, l2norm_eps,
-      beta_sigmoid, chunk_size, backend, accept_growth):
-    B, T, Hq, _ = q.shape
-    return v.new_empty(B, T, max(Hq, v.shape[2]), v.shape[3])
+def _linear_attention_slab_fake(*args):
+    call = dict(zip(_OP_NAMES, args))
+    q, v = call["q"], call["v"]
+    return v.new_empty(q.shape[0], q.shape[1], max(q.shape[2], v.shape[2]), v.shape[3])
 
 
-@torch.library.custom_op("deltarule::check_slab", mutates_args=())
-def check_slab(
-    initial_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
-    gk: torch.Tensor | None, beta: torch.Tensor | None, erase: torch.Tensor | None, write: torch.Tensor | None,
-    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
-) -> None:
-    """The aliasing rule of a slab call (`aliasing.check_written`, as `api.validate` applies it),
+def _check_slab(initial_state, *inputs):
+    """The aliasing rule of a slab call (`aliasing.check_written`, as `validate` applies it),
     on the tensors the compiled code holds before ``linear_attention_slab`` runs. That op sees
     the caller's slab only where the graph is not functionalized: under AOT autograd without
     reinplacing (``backend="aot_eager"``) it is handed a copy of the slab, which no input
     shares, so an input that is a view of the slab was accepted there."""
-    aliasing.check_written("initial_state", initial_state, (
-        ("q", q), ("k", k), ("v", v), ("g", g), ("gk", gk), ("beta", beta), ("erase", erase), ("write", write),
-        ("A_log", A_log), ("dt_bias", dt_bias)))
+    aliasing.check_written("initial_state", initial_state, zip(_SLAB_CHECKED, inputs))
 
 
-@check_slab.register_fake
-def _(initial_state, q, k, v, g, gk, beta, erase, write, A_log, dt_bias):
-    return None
-
-
-# returns nothing: without this, dead-code elimination drops it from the functionalized graph
-torch.fx.node.has_side_effect(torch.ops.deltarule.check_slab.default)
-
-
-# The inputs a gradient reaches, by their position among linear_attention's arguments.
-_DIFFERENTIABLE = {"q": 0, "k": 1, "v": 2, "g": 3, "gk": 4, "beta": 5, "erase": 6, "write": 7,
-                   "initial_state": 8, "A_log": 12, "dt_bias": 13}
-
-
-@torch.library.custom_op("deltarule::linear_attention_backward", mutates_args=())
-def linear_attention_backward(
-    do: torch.Tensor, dstate: torch.Tensor,
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, gk: torch.Tensor | None,
-    beta: torch.Tensor | None, erase: torch.Tensor | None, write: torch.Tensor | None,
-    initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, seq_lens: torch.Tensor | None,
-    plan_handle: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, rule: str,
-    scale: float | None, state_layout: str, qk_l2norm: bool, l2norm_eps: float, beta_sigmoid: bool,
-    chunk_size: int, backend: str, accept_growth: bool,
-) -> list[torch.Tensor]:
-    """The gradients of `linear_attention`'s o and state (do, dstate) with respect to q, k, v,
-    g, gk, beta, erase, write, initial_state, A_log, dt_bias, in that order (an empty tensor
-    for an absent input): the call recomputed with those inputs requiring grad, differentiated
-    by the backend's own backward."""
-    args = [q, k, v, g, gk, beta, erase, write, initial_state, cu_seqlens, seq_lens, plan_handle, A_log, dt_bias]
+def _backward_op(do, dstate, *args):
+    """The gradients of `linear_attention`'s o and state (do, dstate) with respect to its
+    operands (`arguments.OPERANDS`, in that order; an empty tensor for an absent one): the
+    call recomputed with those inputs requiring grad, differentiated by the backend's own
+    backward."""
+    call = _call(args)
     leaves = {}
-    for name, i in _DIFFERENTIABLE.items():
-        if args[i] is not None:
-            args[i] = leaves[name] = args[i].detach().requires_grad_(True)
+    for name in arguments.OPERANDS:
+        if call[name] is not None:
+            call[name] = leaves[name] = call[name].detach().requires_grad_(True)
     with _autograd(), torch.enable_grad():
-        o, state = _run(*args[:11], None, None, *args[11:], rule, scale, state_layout, qk_l2norm, l2norm_eps,
-                        beta_sigmoid, chunk_size, backend, accept_growth)
+        o, state = engine.run_call(call)
         grads = torch.autograd.grad((o, state), list(leaves.values()), (do, dstate), allow_unused=True,
                                     materialize_grads=True)
     found = dict(zip(leaves, grads))
-    return [found[name].contiguous() if name in found else q.new_empty(0) for name in _DIFFERENTIABLE]
+    q = call["q"]
+    return [found[name].contiguous() if name in found else q.new_empty(0) for name in arguments.OPERANDS]
 
 
-@linear_attention_backward.register_fake
-def _(do, dstate, q, k, v, g, gk, beta, erase, write, initial_state, cu_seqlens, seq_lens, plan_handle, A_log,
-      dt_bias, rule, scale, state_layout, qk_l2norm, l2norm_eps, beta_sigmoid, chunk_size, backend,
-      accept_growth):
-    args = (q, k, v, g, gk, beta, erase, write, initial_state, None, None, None, A_log, dt_bias)
-    return [q.new_empty(0) if args[i] is None else torch.empty_like(args[i]) for i in _DIFFERENTIABLE.values()]
+def _backward_op_fake(do, dstate, *args):
+    call = dict(zip(_OP_NAMES, args))
+    return [call["q"].new_empty(0) if call[n] is None else torch.empty_like(call[n]) for n in arguments.OPERANDS]
 
 
 def _autograd():
@@ -191,50 +146,60 @@ def _autograd():
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*(x if isinstance(x, torch.Tensor) else None for x in inputs[:14]))
-    ctx.scalars = inputs[14:23]
+    ctx.save_for_backward(*(x if isinstance(x, torch.Tensor) else None for x in inputs))
+    ctx.tensors = tuple(isinstance(x, torch.Tensor) for x in inputs)
+    ctx.scalars = tuple(None if isinstance(x, torch.Tensor) else x for x in inputs)
     ctx.shapes = tuple(x.shape for x in output), tuple(x.dtype for x in output)
 
 
 def _backward(ctx, do, dstate):
-    tensors = ctx.saved_tensors
+    saved = ctx.saved_tensors
+    inputs = [t if is_tensor else s for t, s, is_tensor in zip(saved, ctx.scalars, ctx.tensors)]
     (o_shape, state_shape), (o_dtype, state_dtype) = ctx.shapes
-    do = tensors[0].new_zeros(o_shape, dtype=o_dtype) if do is None else do.contiguous()
-    dstate = tensors[0].new_zeros(state_shape, dtype=state_dtype) if dstate is None else dstate.contiguous()
-    grads = linear_attention_backward(do, dstate, *tensors, *ctx.scalars)
-    result = [None] * 24
-    for (name, i), grad in zip(_DIFFERENTIABLE.items(), grads):
-        if tensors[i] is not None:
+    q = inputs[0]
+    do = q.new_zeros(o_shape, dtype=o_dtype) if do is None else do.contiguous()
+    dstate = q.new_zeros(state_shape, dtype=state_dtype) if dstate is None else dstate.contiguous()
+    grads = _ops.linear_attention_backward.default(do, dstate, *inputs[:-1])     # (not num_states)
+    result = [None] * len(inputs)
+    for i, grad in zip(_DIFFERENTIABLE, grads):
+        if inputs[i] is not None:
             result[i] = grad
     return tuple(result)
 
 
-linear_attention.register_autograd(_backward, setup_context=_setup_context)
+for _name, _impl, _fake in (("linear_attention", _linear_attention, _linear_attention_fake),
+                            ("linear_attention_slab", _linear_attention_slab, _linear_attention_slab_fake),
+                            ("linear_attention_backward", _backward_op, _backward_op_fake),
+                            ("check_slab", _check_slab, lambda *args: None)):
+    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"deltarule::{_name}", _fake, lib=_LIB)
+torch.library.register_autograd("deltarule::linear_attention", _backward, setup_context=_setup_context, lib=_LIB)
+# returns nothing: without this, dead-code elimination drops it from the functionalized graph
+torch.fx.node.has_side_effect(_ops.check_slab.default)
 
 
-def call(q, k, v, rule, g, gk, beta, erase, write, scale, initial_state, state_layout, cu_seqlens, seq_lens,
-         state_indices, num_accepted_tokens, plan, qk_l2norm, l2norm_eps, A_log, dt_bias, beta_sigmoid,
-         chunk_size, backend, accept_growth):
-    """A call of `linear_attention` (its arguments, in `api._call`'s order) as one of the ops."""
-    handle = None if plan is None else plan.handle
-    slab = state_indices is not None or (plan is not None and plan.in_place)
-    if slab:
+def call(call: dict):
+    """A call of `linear_attention` (a dict of the record's arguments) as one of the ops,
+    by keyword."""
+    plan = call["plan"]
+    op_args = {n: x for n, x in call.items() if n != "plan"}
+    if plan is None:
+        op_args.update(dict.fromkeys(_PLAN_INDICES), plan_layout=None, plan_device=None)
+    else:
+        op_args.update(zip(_PLAN_INDICES, plan.indices), plan_device=plan.device,
+                       plan_layout=[plan.B, plan.T, -1 if plan.num_slots is None else plan.num_slots])
+    initial_state = call["initial_state"]
+    if call["state_indices"] is not None or (plan is not None and plan.in_place):
         if isinstance(initial_state, torch.Tensor):      # refused before the slab op runs (its check sees a copy)
-            check_slab(initial_state, q, k, v, g, gk, beta, erase, write, A_log, dt_bias)
-        o = linear_attention_slab(q, k, v, g, gk, beta, erase, write, initial_state, cu_seqlens, seq_lens,
-                                  state_indices, num_accepted_tokens, handle, A_log, dt_bias, rule, scale,
-                                  state_layout, qk_l2norm, l2norm_eps, beta_sigmoid, chunk_size, backend,
-                                  accept_growth)
-        return o, initial_state
+            _ops.check_slab.default(initial_state, *(call[n] for n in _SLAB_CHECKED))
+        return _ops.linear_attention_slab.default(**op_args), initial_state
     if plan is not None:
         num_states = plan.N
-    elif cu_seqlens is not None:
-        num_states = cu_seqlens.shape[0] - 1
+    elif call["cu_seqlens"] is not None:
+        num_states = call["cu_seqlens"].shape[0] - 1
     else:
-        num_states = q.shape[0]
-    return linear_attention(q, k, v, g, gk, beta, erase, write, initial_state, cu_seqlens, seq_lens, handle,
-                            A_log, dt_bias, rule, scale, state_layout, qk_l2norm, l2norm_eps, beta_sigmoid,
-                            chunk_size, backend, accept_growth, num_states)
+        num_states = call["q"].shape[0]
+    return _ops.linear_attention.default(**op_args, num_states=num_states)
 
 
 def _fresh(x: torch.Tensor, inputs) -> torch.Tensor:

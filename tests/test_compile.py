@@ -69,21 +69,72 @@ def test_fullgraph_with_a_plan_updates_the_slab_as_eager(T, backend):
     assert graphs.ops() == ["deltarule.check_slab.default", "deltarule.linear_attention_slab.default"]
 
 
-def test_a_plan_reaches_the_op_as_its_handle_only():
-    """The plan's index tensors are not the op's arguments: nothing of them is read by traced
-    code, whatever their values (a plan rebuilt with other rows reuses the same graph)."""
+def test_a_plan_reaches_the_op_as_the_host_copies_of_its_indices():
+    """A plan's index tensors reach the op as its host copies (`BatchPlan.indices`: CPU int64,
+    read by the op, not by traced code), never as the caller's tensors; their values are not
+    guarded: a plan rebuilt with other rows reuses the same graph."""
     args = decode_inputs()
     fn, graphs = compiled(gated)
     for rows in ([4, 1], [0, 5], [2, 3]):
-        plan = deltarule.plan_batch(2, 1, state_indices=torch.tensor(rows), num_slots=SLOTS)
+        indices = torch.tensor(rows, dtype=torch.int32)
+        plan = deltarule.plan_batch(2, 1, state_indices=indices, num_slots=SLOTS)
         slab = args["initial_state"].clone()
         o, _ = fn(args["q"], args["k"], args["v"], args["g"], args["beta"], slab, plan, "cpu")
         want_o, want_slab = expected({**args, "state_indices": torch.tensor(rows)})
         assert rel(o, 2 * torch.as_tensor(want_o)) < 1e-5 and rel(slab, want_slab) < 1e-5, rows
+        assert plan.indices[2] is not indices and plan.indices[2].tolist() == rows
     assert len(graphs.graphs) == 1
-    (placeholders,) = [[n for n in gm.graph.nodes if n.op == "placeholder"] for gm in graphs.graphs]
-    assert all(tuple(n.meta["example_value"].shape) != (2,) or n.meta["example_value"].dtype.is_floating_point
-               for n in placeholders), "an index tensor of the plan became a graph input"
+    (placeholders,) = [[n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+                       for gm in graphs.graphs]
+    integers = [x for x in placeholders if not x.dtype.is_floating_point]
+    assert [(x.dtype, x.device.type, tuple(x.shape)) for x in integers] == [(torch.int64, "cpu", (2,))]
+
+
+def test_export_holds_the_ops_and_runs_as_eager_after_a_save_and_load(tmp_path):
+    """torch.export of modules that call linear_attention, without a plan (dense and varlen),
+    on a slab (state_indices as an input) and with a plan (a module attribute: its indices
+    become the program's constants): the graphs hold deltarule's ops, and the programs, saved
+    and loaded again (no object of this process survives that), give eager's outputs and
+    slab."""
+    class Fresh(torch.nn.Module):
+        def forward(self, q, k, v, g, beta, cu_seqlens):
+            return deltarule.linear_attention(q, k, v, g=g, beta=beta, cu_seqlens=cu_seqlens)
+
+    class Slab(torch.nn.Module):
+        def forward(self, q, k, v, g, beta, slab, rows):
+            return deltarule.linear_attention(q, k, v, g=g, beta=beta, initial_state=slab, state_indices=rows)[0]
+
+    class Planned(torch.nn.Module):
+        def __init__(self, plan):
+            super().__init__()
+            self.plan = plan
+
+        def forward(self, q, k, v, g, beta, slab):
+            return deltarule.linear_attention(q, k, v, g=g, beta=beta, initial_state=slab, plan=self.plan)[0]
+
+    varlen = cases.make_inputs(small_case(B=1, T=19, initial_state=False, cu_seqlens=[0, 7, 7, 19]))
+    args = decode_inputs()
+    rows = torch.tensor([4, 1])
+    plan = deltarule.plan_batch(2, 1, state_indices=rows, num_slots=SLOTS)
+    programs = [
+        (Fresh(), tuple(varlen[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")), None),
+        (Slab(), (*(args[n] for n in ("q", "k", "v", "g", "beta")), args["initial_state"], rows), 5),
+        (Planned(plan), (*(args[n] for n in ("q", "k", "v", "g", "beta")), args["initial_state"]), 5),
+    ]
+    for i, (module, inputs, slab_at) in enumerate(programs):
+        program = torch.export.export(module, tuple(x.clone() for x in inputs))
+        ops = [str(n.target) for n in program.graph.nodes if n.op == "call_function" and "deltarule" in str(n.target)]
+        assert ops == (["deltarule.linear_attention.default"] if slab_at is None else
+                       ["deltarule.check_slab.default", "deltarule.linear_attention_slab.default"]), ops
+        torch.export.save(program, tmp_path / f"{i}.pt2")
+        loaded = torch.export.load(tmp_path / f"{i}.pt2").module()
+        want_inputs, got_inputs = [x.clone() for x in inputs], [x.clone() for x in inputs]
+        want, got = module(*want_inputs), loaded(*got_inputs)
+        for w, x in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
+            assert torch.equal(w, x), type(module).__name__
+        if slab_at is not None:
+            assert torch.equal(want_inputs[slab_at], got_inputs[slab_at]), "the slab differs"
+            assert not torch.equal(got_inputs[slab_at], inputs[slab_at]), "the slab was not updated"
 
 
 @pytest.mark.parametrize("backend", [CPU, "torch"])

@@ -1,5 +1,5 @@
 """The decode fast path (issue 20): a call whose plan (given, or found by its index values)
-already saw its signature runs the launch kept with the plan (`api._call`,
+already saw its signature runs the launch kept with the plan (`engine.run`,
 `cpu_backend.Launch`) instead of validating again. Each test names the backend it checks: the
 fast path is the cpu backend's. What it must keep: every result of the full path, every
 refusal (the values and addresses checked per call: log-decay signs, a slab that an input
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import deltarule
-from deltarule import ContractError, api, cases
+from deltarule import ContractError, arguments, cases, engine
 from deltarule.check import expected
 
 from conftest import CPU, rel, small_case
@@ -61,11 +61,12 @@ def test_in_kernel_gates_match_the_reference(over, backend):
 
 def test_index_tensors_find_their_plan(backend):
     """Without plan=, the same index values reuse one plan (and its launch)."""
+    engine._PLANS.clear()                  # (other tests' calls leave their plans there)
     args, rows, _ = slab_call()
     for _ in range(3):
         deltarule.linear_attention(**{**args, "initial_state": args["initial_state"].clone()},
                                    state_indices=rows.clone(), backend=backend)
-    found = [p for p in api._PLANS.values() if p.B == 2 and p.num_slots == SLOTS and p.spans[0].read == 4]
+    found = [p for p in engine._PLANS.values() if p.B == 2 and p.num_slots == SLOTS and p.spans[0].read == 4]
     assert len(found) == 1 and launches(found[0]) == 1
 
 
@@ -168,3 +169,77 @@ def test_concurrent_calls_on_one_launch(backend, monkeypatch):
     for o, state in results:
         assert rel(o, want_o) < 1e-5 and rel(state, want_s) < 1e-5
     assert launches(plan) == 1
+
+
+def _changed_tensor(x: torch.Tensor, state: bool) -> dict:
+    """Tensors that differ from x in one property a launch is kept for."""
+    other_dtype = torch.float16 if x.dtype != torch.float16 else torch.float32
+    strided = torch.stack([x, x], -1)[..., 0]             # x's shape and values, other strides
+    changed = {"dtype": x.to(other_dtype), "shape": torch.cat([x, x], 0), "device": x.to("meta"),
+               "grad": x.detach().clone().requires_grad_(True), "absent": None}
+    changed["strides" if state else "contiguity"] = strided
+    return changed
+
+
+def _changed_scalar(x) -> dict:
+    """Values that differ from x in one property: its value, or its type at an equal value."""
+    if isinstance(x, str):
+        return {"value": x + "-other"}
+    if x is None:
+        return {"value": 0.5}
+    if isinstance(x, bool):
+        return {"value": not x, "type": int(x)}
+    if isinstance(x, int):
+        return {"value": x + 1, "type": float(x)}
+    return {"value": x * 2 + 1, "type": int(x) if x == int(x) else None}
+
+
+def test_each_validated_property_keys_its_own_launch(backend):
+    """The key a plan keeps a launch under (`engine.launch_key`, generated from
+    `deltarule.arguments`) changes with every property validation checks that values and
+    addresses do not decide, taken in turn for every argument of the record: each tensor's
+    presence, shape, contiguity (a slab: strides), dtype, device and whether it needs grad,
+    and each scalar's value and type. A key that missed one would run a stale launch: a
+    silent wrong answer."""
+    args, _, plan = slab_call(decay="g+gk", raw_gate=True)
+    base = {n: a.default for n, a in arguments.BY_NAME.items() if a.kind != "tensor"}
+    base.update(args, plan=plan, scale=0.25, backend=backend)
+    key = engine.launch_key(base)
+    tried = set()
+    with torch.enable_grad():
+        for a in arguments.ARGUMENTS:
+            if a.kind in ("index?", "plan?"):                # a kept launch is only for calls without them
+                continue
+            x = base[a.name]
+            if a.tensor:
+                changes = _changed_tensor(x, a.kind == "state?") if x is not None else {"present": base["q"]}
+                if a.kind == "tensor":
+                    del changes["absent"]
+                if not a.differentiable:
+                    del changes["grad"]
+            else:
+                changes = _changed_scalar(x)
+            for prop, y in changes.items():
+                if y is None and prop != "absent":
+                    continue
+                assert engine.launch_key({**base, a.name: y}) != key, f"{a.name}: {prop}"
+                tried.add(a.name)
+    assert tried == {a.name for a in arguments.ARGUMENTS if a.kind not in ("index?", "plan?")}
+    assert engine.launch_key(dict(base)) == key            # and it is a key: equal calls, equal keys
+
+
+def test_a_changed_property_runs_a_launch_of_its_own(backend):
+    """End to end: a plan that kept a launch, then calls differing in one property each (dtype,
+    contiguity, a scalar), give the full path's results and each keep a launch of their own."""
+    args, rows, plan = slab_call()
+    variants = {"base": {}, "dtype": {n: args[n].to(torch.bfloat16) for n in ("q", "k", "v")},
+                "contiguity": {"q": torch.stack([args["q"]] * 2, -1)[..., 0]}, "scale": {"scale": 0.5},
+                "qk_l2norm": {"qk_l2norm": True}}
+    for n, (name, over) in enumerate(variants.items()):
+        call = {**args, **over}
+        want_o, want_slab = expected({**call, "state_indices": rows})
+        slab = args["initial_state"].clone()
+        o, _ = deltarule.linear_attention(**{**call, "initial_state": slab}, plan=plan, backend=backend)
+        tol = 2e-2 if name == "dtype" else 1e-5
+        assert rel(o, want_o) < tol and rel(slab, want_slab) < tol, name
+        assert launches(plan) == n + 1, name

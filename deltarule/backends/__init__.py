@@ -3,7 +3,8 @@
 A backend module has NAME, DESCRIPTION, SUPPORTS (feature -> what it covers),
 unavailable() -> None or why it cannot run on this machine and what to install
 (available() -> bool is `unavailable() is None`),
-supports(problem) -> None or the reason it declines, and run(problem).
+supports(problem) -> None or the reason it declines, and run(problem); optionally
+launch(problem) -> a launch its call signature reuses, or None (`launch`).
 """
 
 from __future__ import annotations
@@ -46,14 +47,22 @@ def _declines(m, p: Problem) -> str | None:
 
 
 def launch(p: Problem, backend: str):
-    """A launch of the validated call `p` that its call signature can reuse (`cpu_backend.Launch`:
-    the cpu backend's, with the per-call checks), or None where the backend `dispatch` would
-    pick keeps none: only the cpu backend does, for calls without gradients."""
-    if backend not in ("auto", "cpu") or p.requires_grad or isinstance(p.initial_state, DeviceSlab):
+    """A launch of the validated call `p` that its call signature can reuse, or None: the
+    optional part of the backend protocol, ``launch(problem) -> callable | None`` (the
+    callable takes the call's tensors in `arguments.LAUNCH_OPERANDS` order and returns
+    (o, state), checking on every call what validation reads from their values and
+    addresses). Asked of the backend `dispatch` would pick; only the cpu backend keeps
+    launches (`cpu_backend.Launch`), for calls without gradients."""
+    if isinstance(p.initial_state, DeviceSlab):
         return None
-    if _declines(cpu_backend, p) is not None:
-        return None
-    return cpu_backend.Launch(p, per_call_checks=True)
+    if backend == "auto":
+        m = next((REGISTRY[name] for name in AUTO_ORDER if _declines(REGISTRY[name], p) is None), None)
+    else:
+        m = REGISTRY.get(backend) if isinstance(backend, str) else None
+        if m is not None and _declines(m, p) is not None:
+            return None                                  # dispatch says why, on every call
+    keeps = getattr(m, "launch", None)
+    return None if keeps is None else keeps(p)
 
 
 def dispatch(p: Problem, backend: str):

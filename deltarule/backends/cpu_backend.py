@@ -126,6 +126,12 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     return launch(p.q, p.k, p.v, p.g, p.gk, p.beta, p.erase, p.write, p.A_log, p.dt_bias, p.initial_state)
 
 
+def launch(p: Problem) -> "Launch | None":
+    """The backend protocol's kept launch (`backends.launch`): one that checks per call what
+    validation reads from values and addresses; None for a call that needs gradients."""
+    return None if p.requires_grad else Launch(p, per_call_checks=True)
+
+
 class Launch:
     """A validated call's kernel launch, minus its tensors: what the shapes, dtypes and strides
     of the call's tensors, its scalars and its plan fix (the packed kernel `problem`, the

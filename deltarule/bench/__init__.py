@@ -23,7 +23,7 @@ from importlib import metadata
 
 import torch
 
-from .. import ContractError, Unsupported, __version__, linear_attention, plan_batch
+from .. import ContractError, Unsupported, __version__, arguments, linear_attention, plan_batch
 from ..backends import cpu_backend
 from ..backends import names as backend_names
 from ..cases import DTYPES, bench_cases, make_inputs
@@ -276,8 +276,7 @@ def _deltarule_calls(case: dict, copies: list[dict], args) -> tuple[dict, tuple]
     return calls, reference
 
 
-# `cpu_backend.Launch`'s tensor arguments, in its order.
-_LAUNCH_INPUTS = ("q", "k", "v", "g", "gk", "beta", "erase", "write", "A_log", "dt_bias", "initial_state")
+_LAUNCH_INPUTS = arguments.LAUNCH_OPERANDS      # a kept launch's tensor arguments, in its order
 
 
 def _launch(call: dict, backend: str):
