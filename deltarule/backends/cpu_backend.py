@@ -136,8 +136,8 @@ class Launch:
     """A validated call's kernel launch, minus its tensors: what the shapes, dtypes and strides
     of the call's tensors, its scalars and its plan fix (the packed kernel `problem`, the
     outputs' shapes, the thread count). Calling it with tensors of those shapes, dtypes and
-    strides runs the kernel on them; `api.linear_attention` keeps one per call signature with
-    a reused plan, so a decode step's layers skip the validation and the packing.
+    strides runs the kernel on them; the eager engine (`deltarule.engine`) keeps one per call
+    signature with a reused plan, so a decode step's layers skip the validation and the packing.
 
     The gates go to the kernel as they are, in their own dtype: the raw-gate arm (A_log,
     dt_bias), the sigmoid of `beta_sigmoid` and qk_l2norm are applied in the kernel. The
