@@ -1,4 +1,4 @@
-"""Builds the cpu backend's native kernel (deltarule/kernels/csrc/recurrent.c).
+"""Builds the cpu backend's native kernel (deltarule/kernels/cpu/csrc/recurrent.c).
 
 Plain C with POSIX threads (at run time it runs on torch's OpenMP threads too, whose entry
 points the binding hands it: no OpenMP at build time), compiled for the machine that
@@ -14,11 +14,11 @@ keeps the previous .so: compile it with gcc -c first).
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(
-    "deltarule.kernels._recurrent_cpu",
-    sources=["deltarule/kernels/csrc/recurrent.c", "deltarule/kernels/csrc/backward.c",
-             "deltarule/kernels/csrc/conv.c"],
-    depends=["deltarule/kernels/csrc/vector.h", "deltarule/kernels/csrc/elements.h",
-             "deltarule/kernels/csrc/host_threads.h", "deltarule/kernels/csrc/fields.h"],
+    "deltarule.kernels.cpu._native",
+    sources=["deltarule/kernels/cpu/csrc/recurrent.c", "deltarule/kernels/cpu/csrc/backward.c",
+             "deltarule/kernels/cpu/csrc/conv.c"],
+    depends=["deltarule/kernels/cpu/csrc/vector.h", "deltarule/kernels/cpu/csrc/elements.h",
+             "deltarule/kernels/cpu/csrc/host_threads.h", "deltarule/kernels/cpu/csrc/fields.h"],
     extra_compile_args=["-O3", "-march=native", "-std=gnu11", "-pthread", "-Wno-psabi"],
     extra_link_args=["-pthread"],
     optional=True,

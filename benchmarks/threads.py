@@ -20,7 +20,7 @@ import torch
 
 import deltarule
 from deltarule.bench import copy_bandwidth
-from deltarule.kernels import cpu_recurrent
+from deltarule.kernels.cpu import recurrent as cpu_recurrent
 
 H, K, V, SLOTS = 16, 128, 128, 400
 CASES = [("decode", 1, 1, 2000), ("decode", 8, 1, 1000), ("prefill", 1, 256, 40), ("prefill", 8, 256, 6)]

@@ -32,9 +32,9 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from deltarule.kernels import triton_backward as tb  # noqa: E402
-from deltarule.kernels import triton_chunked as tc  # noqa: E402
-from deltarule.kernels import triton_recurrent as tr  # noqa: E402
+from deltarule.kernels.triton import backward as tb  # noqa: E402
+from deltarule.kernels.triton import chunked as tc  # noqa: E402
+from deltarule.kernels.triton import recurrent as tr  # noqa: E402
 
 SHARED_LIMIT = {90: 232448, 80: 166912, 89: 101376}      # bytes per block (opt-in maximum)
 INTS = ("L", "H", "Hk", "Hq", "K", "V", "NC", "W", "B", "T", "CS")
@@ -106,7 +106,7 @@ def variants(K: int, V: int, dt: str):
                 dict(chunk, HAS_DECAY=False, DECAY_PER_KEY=False, **plain, HAS_ERASE=False, L2NORM=False,
                      HAS_INIT=False, HAS_INDEX=False, BV=BV, g=None, gc=None, y=None, S0=None, idx=None,
                      VARLEN=False, seq=None)))
-    # the gradient path (kernels/triton_backward.py): float32 operands, preprocessing done in torch
+    # the gradient path (kernels/triton/backward.py): float32 operands, preprocessing done in torch
     grad_BK, grad_BV = tb._tiles(K, V)
     f32_ops = {"q": "*fp32", "k": "*fp32", "v": "*fp32", "seq": "*i64"}
     for per_key in (False, True):

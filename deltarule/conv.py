@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from . import aliasing
 from .errors import ContractError
-from .kernels import cpu_conv
+from .kernels.cpu import conv as cpu_conv
 
 ACTIVATIONS = (None, "silu")
 BACKENDS = ("auto", "cpu", "torch")

@@ -167,7 +167,7 @@ def cpu_threads(request):
     """The cpu kernels' threads for this test (cpu_recurrent.use_threads): torch's OpenMP pool or
     the kernel's own; restored after. The value is the kind; "openmp" fails where torch has no
     OpenMP runtime (every torch build this project tests has one)."""
-    from deltarule.kernels import cpu_recurrent
+    from deltarule.kernels.cpu import recurrent as cpu_recurrent
     if not cpu_recurrent.available():
         pytest.skip("the native kernel is not built")
     was = cpu_recurrent.threads_in_use()

@@ -1,4 +1,4 @@
-"""The chunked (WY) backward of the torch backend (kernels/chunked_backward.py, docs/algorithm.md
+"""The chunked (WY) backward of the torch backend (kernels/torch/chunked_backward.py, docs/algorithm.md
 section 7): each stage against autograd through the matching piece of the forward; the whole
 backward against the token-serial walk (`recurrent_backward.backward`) in float64; the torch
 backend's gradients, now chunked past RECURRENT_MAX_LEN tokens, against the float64 oracle
@@ -12,9 +12,9 @@ from conftest import assert_gradients_match, params, rel
 from conftest import small_case as small
 from deltarule import cases
 from deltarule.backends import torch_backend
-from deltarule.kernels import chunked_backward as cb
-from deltarule.kernels import recurrent_backward as rb
-from deltarule.kernels.chunked import LOG_DECAY_FLOOR
+from deltarule.kernels.torch import chunked_backward as cb
+from deltarule.kernels.torch import recurrent_backward as rb
+from deltarule.kernels.torch.chunked import LOG_DECAY_FLOOR
 
 F64 = torch.float64
 SCALE = 0.6
@@ -179,7 +179,7 @@ def test_gate_stages_match_autograd_through_the_intra_chunk_forward(form):
 
 def test_pairwise_per_key_backward_matches_autograd():
     """The reverse of `_pairwise_per_key` (recursive halving, same reference tokens)."""
-    from deltarule.kernels.chunked import _pairwise_per_key
+    from deltarule.kernels.torch.chunked import _pairwise_per_key
 
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(3, 2, 16, 5, generator=gen, dtype=F64, requires_grad=True)

@@ -138,7 +138,7 @@ def test_every_backend_says_why_it_is_unavailable(monkeypatch):
     import sys
 
     from deltarule.backends import REGISTRY, cpu_backend, triton_backend
-    from deltarule.kernels import cpu_recurrent
+    from deltarule.kernels.cpu import recurrent as cpu_recurrent
 
     for m in REGISTRY.values():
         assert m.available() == (m.unavailable() is None), m.NAME

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from deltarule import ContractError
 from deltarule.conv import causal_conv1d_slab, plan_conv
-from deltarule.kernels import cpu_conv
+from deltarule.kernels.cpu import conv as cpu_conv
 
 from conftest import rel
 from test_properties import examples, storage_bytes

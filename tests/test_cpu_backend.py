@@ -13,7 +13,8 @@ import torch
 import deltarule
 from deltarule import backends, batch, cases
 from deltarule.backends import cpu_backend
-from deltarule.kernels import cpu_layout, cpu_recurrent
+from deltarule.kernels.cpu import layout as cpu_layout
+from deltarule.kernels.cpu import recurrent as cpu_recurrent
 from deltarule.check import expected
 
 from conftest import rel
@@ -26,7 +27,7 @@ CASE = {"name": "cpu", "seed": 5, "B": 3, "T": 37, "Hq": 8, "Hk": 4, "Hv": 4, "K
 
 
 def test_kernel_is_built_where_a_compiler_exists():
-    assert cpu_backend.available(), "pip install did not build deltarule/kernels/csrc/recurrent.c"
+    assert cpu_backend.available(), "pip install did not build deltarule/kernels/cpu/csrc/recurrent.c"
 
 
 @pytest.mark.parametrize("layout, exported", [
@@ -174,7 +175,7 @@ def test_single_token_decode_on_a_slab(layout):
 @pytest.mark.parametrize("value, expect", [("own", "own"), ("openmp", "openmp"), ("bogus", "DELTARULE_CPU_THREADS")])
 def test_threads_from_the_environment(value, expect):
     """DELTARULE_CPU_THREADS picks the threads at import; a bad value fails the import naming it."""
-    code = "from deltarule.kernels import cpu_recurrent; print(cpu_recurrent.threads_in_use())"
+    code = "from deltarule.kernels.cpu import recurrent; print(recurrent.threads_in_use())"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "DELTARULE_CPU_THREADS": value})
     assert expect in (run.stdout if run.returncode == 0 else run.stderr), run.stderr[-2000:]
@@ -221,7 +222,7 @@ def test_concurrent_calls_and_a_forked_child(monkeypatch, cpu_threads):
     assert answer == b"ok", answer
 
 
-# The kernel called directly (deltarule/kernels/cpu_recurrent.py): per-token state rows and
+# The kernel called directly (deltarule/kernels/cpu/recurrent.py): per-token state rows and
 # 16-bit state storage, which the backend does not reach yet.
 
 def _operands(B, T, Hq, Hk, Hv, K, V, decay="gk", update="erase_write", seed=0):
@@ -248,7 +249,8 @@ def _operands(B, T, Hq, Hk, Hv, K, V, decay="gk", update="erase_write", seed=0):
 
 def _call(x, S0, S, spans, token_rows=None, o=None, stream_state=False, threads=2):
     """cpu_recurrent.Recurrence on operands x; returns o (a fresh torch.empty unless given)."""
-    from deltarule.kernels import cpu_layout, cpu_recurrent
+    from deltarule.kernels.cpu import layout as cpu_layout
+    from deltarule.kernels.cpu import recurrent as cpu_recurrent
 
     B, T, Hv, V = x["v"].shape
     if o is None:

@@ -16,8 +16,8 @@ import deltarule.conv
 import deltarule.distributed
 import deltarule.integrations.hf_kernels
 import deltarule.integrations.transformers
-import deltarule.kernels.cpu_layout
-import deltarule.kernels.cpu_recurrent
+import deltarule.kernels.cpu.layout
+import deltarule.kernels.cpu.recurrent
 import deltarule.library
 import deltarule.versions
 
@@ -28,7 +28,7 @@ README = ROOT / "README.md"
 @pytest.mark.parametrize("module", [deltarule.api, deltarule.batch, deltarule.cards, deltarule.contracts.ascend,
                                     deltarule.contracts.fla, deltarule.contracts.slab, deltarule.conv, deltarule.distributed,
                                     deltarule.integrations.hf_kernels, deltarule.integrations.transformers,
-                                    deltarule.kernels.cpu_layout, deltarule.kernels.cpu_recurrent, deltarule.library, deltarule.versions],
+                                    deltarule.kernels.cpu.layout, deltarule.kernels.cpu.recurrent, deltarule.library, deltarule.versions],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)

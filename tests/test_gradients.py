@@ -16,7 +16,7 @@ from conftest import CPU, GRAD_TOL, assert_gradients_match, case_params, gradien
 from conftest import small_case as small
 from deltarule import ContractError, Unsupported, cases
 from deltarule.backends import torch_backend
-from deltarule.kernels import recurrent_backward
+from deltarule.kernels.torch import recurrent_backward
 
 BACKENDS = [CPU, "torch"]
 
@@ -154,7 +154,7 @@ def test_unwritten_gradients_would_show(nan_poison):
 
 @pytest.mark.parametrize("form", ["g-beta", "gk-erase_write-gqa", "linear"])
 def test_torch_reverse_walk_passes_gradcheck(form):
-    """The torch backend's autograd Function (kernels/recurrent_backward.py) in float64 against
+    """The torch backend's autograd Function (kernels/torch/recurrent_backward.py) in float64 against
     finite differences, over two checkpoint chunks (the first recomputed from its start)."""
     gen = torch.Generator().manual_seed(3)
     N, L, H, K, V, G = 1, 5, 2, 3, 2, 2 if "gqa" in form else 1

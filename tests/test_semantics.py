@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import deltarule
 from deltarule import cases
 from deltarule.check import expected
-from deltarule.kernels import chunked as chunked_module
+from deltarule.kernels.torch import chunked as chunked_module
 
 from conftest import CPU, rel
 

@@ -21,7 +21,7 @@ import deltarule  # noqa: E402
 from deltarule import cases  # noqa: E402
 from deltarule.backends import triton_backend  # noqa: E402
 from deltarule.check import expected  # noqa: E402
-from deltarule.kernels import triton_common  # noqa: E402
+from deltarule.kernels.triton import common as triton_common  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -175,7 +175,7 @@ def refuse_scatter_into(monkeypatch, slab):
 def test_slab_updated_where_it_lies(monkeypatch):
     """The fused kernel reads and writes the slab rows itself: no gathered copy, no scatter
     (index_select / index_copy_ on the slab would be the gather / scatter path)."""
-    from deltarule.kernels import triton_recurrent
+    from deltarule.kernels.triton import recurrent as triton_recurrent
 
     case = small(B=3, T=2, initial_state=True, state_indices=[2, -1, 0], num_slots=4, decay="gk",
                  update="erase_write", state_layout="vk")
@@ -240,7 +240,7 @@ def test_writes_every_output_element(nan_poison, case):
 @pytest.mark.parametrize("over", [dict(decay="gk"), dict(decay="g+gk", update="erase_write", state_layout="vk")])
 def test_longer_prefill_runs_chunked(monkeypatch, over):
     """Past RECURRENT_MAX_LEN tokens every gate form is accepted and runs the chunked kernels."""
-    from deltarule.kernels import triton_chunked
+    from deltarule.kernels.triton import chunked as triton_chunked
 
     calls = []
     kernel = triton_chunked.chunked
@@ -255,7 +255,7 @@ def test_longer_prefill_runs_chunked(monkeypatch, over):
     ([0, 100, 90, 141], [(0, 100), (100, 0), (200, 51)]),
 ])
 def test_varlen_unpacked_unless_spans_overlap(monkeypatch, cu, spans):
-    from deltarule.kernels import triton_chunked
+    from deltarule.kernels.triton import chunked as triton_chunked
 
     seen = []
     kernel = triton_chunked.chunked

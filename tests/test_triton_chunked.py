@@ -24,7 +24,8 @@ import deltarule  # noqa: E402
 from deltarule import cases  # noqa: E402
 from deltarule.backends import _prepare, triton_backend  # noqa: E402
 from deltarule.check import expected  # noqa: E402
-from deltarule.kernels import triton_chunked, triton_common  # noqa: E402
+from deltarule.kernels.triton import chunked as triton_chunked
+from deltarule.kernels.triton import common as triton_common  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,4 +1,4 @@
-"""The triton backend's gradients (kernels/triton_backward.py) against the float64 reference's autograd.
+"""The triton backend's gradients (kernels/triton/backward.py) against the float64 reference's autograd.
 
 Every differentiable input (q, k, v, g, gk, beta, erase, write, A_log, dt_bias,
 initial_state) gets the gradient of loss = (o * do).sum() + (state * dS).sum().

@@ -14,7 +14,7 @@ import deltarule.integrations.vllm as dv
 import deltarule.integrations.vllm_families as families
 from deltarule.conv import causal_conv1d_slab, plan_conv, reference_conv1d_slab
 from deltarule.errors import ContractError
-from deltarule.kernels import cpu_conv
+from deltarule.kernels.cpu import conv as cpu_conv
 
 from conftest import rel
 

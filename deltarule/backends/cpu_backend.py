@@ -1,4 +1,4 @@
-"""The `cpu` backend: the native V-tiled recurrence (`kernels/csrc/recurrent.c`).
+"""The `cpu` backend: the native V-tiled recurrence (`kernels/cpu/csrc/recurrent.c`).
 
 One kernel for every call shape: prefill, decode, varlen, a slab in place,
 speculative plans (per-token state rows), 16-bit state storage. A prefill
@@ -13,7 +13,7 @@ needs the compiled kernel that `pip install` builds.
 
 Gradients: a call whose inputs require grad runs `_Recurrence`, whose forward is
 the same kernel keeping chunk-start states and every token's u, and whose
-backward is the native reverse kernel (`kernels/csrc/backward.c`).
+backward is the native reverse kernel (`kernels/cpu/csrc/backward.c`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 from .. import aliasing
 from ..errors import positive_log_decay
-from ..kernels import cpu_recurrent
+from ..kernels.cpu import recurrent as cpu_recurrent
 from ..problem import Problem
 from . import _grad
 from ._features import EVERYTHING
@@ -36,7 +36,7 @@ from ._features import EVERYTHING
 NAME = "cpu"
 DESCRIPTION = "native V-tiled recurrence (C, torch's OpenMP threads, AVX2 / AVX-512 vectors)"
 SUPPORTS = dict(EVERYTHING, devices="CPU tensors",
-                gradients="native reverse kernel (kernels/csrc/backward.c), every non-slab call")
+                gradients="native reverse kernel (kernels/cpu/csrc/backward.c), every non-slab call")
 # Outputs of at least this many bytes come from `_POOL` (below): NumPy memory on
 # transparent huge pages, recycled once the caller drops the tensor, so they
 # cost no page faults after the first call. glibc maps every block of 32 MB and

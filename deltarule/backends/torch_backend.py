@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import chunked_backward, recurrent_backward
-from ..kernels.chunked import chunked
-from ..kernels.recurrent import recurrent
+from ..kernels.torch import chunked_backward, recurrent_backward
+from ..kernels.torch.chunked import chunked
+from ..kernels.torch.recurrent import recurrent
 from ..problem import Problem
 from . import _prepare
 from ._features import EVERYTHING
@@ -17,8 +17,8 @@ SUPPORTS = dict(EVERYTHING, devices="any torch device",
                 note="speculative plans (per-token states) run token by token; the slab is gathered and "
                      "scattered (not in place)",
                 gradients="chunked (WY) backward in torch ops for sequences over 16 tokens "
-                          "(kernels/chunked_backward.py), the token-serial reverse walk for shorter ones "
-                          "(kernels/recurrent_backward.py); every non-slab call, any device")
+                          "(kernels/torch/chunked_backward.py), the token-serial reverse walk for shorter ones "
+                          "(kernels/torch/recurrent_backward.py); every non-slab call, any device")
 # Sequences up to this many tokens run token by token: below it the chunked
 # form's intra-chunk work costs more than it saves (crossover between T = 16
 # and 32 on the 16-head K = V = 128 layer on CPU, docs/performance.md). A

@@ -14,7 +14,7 @@ arm, `beta_sigmoid` and `qk_l2norm`.
 Gradients: a call whose inputs require grad runs the preprocessing in torch
 ops (`_grad.differentiable_operands`), then `_Recurrence`, whose forward keeps
 the state every 64 tokens and whose backward is the token-serial, V-tiled
-reverse kernel of `kernels/triton_backward.py` (not yet a chunked WY backward).
+reverse kernel of `kernels/triton/backward.py` (not yet a chunked WY backward).
 Runs on CPU tensors under `TRITON_INTERPRET=1` (for tests), which must be set
 before the first call imports the kernel module.
 """
@@ -39,7 +39,7 @@ SUPPORTS = dict(
     note=(f"prefill longer than {RECURRENT_MAX_LEN} tokens runs chunked (64-token chunks, "
           "16-token sub-chunks for per-key decay); speculative plans (per-token states) run the "
           "recurrence at any length; the slab is updated in place"),
-    gradients=("token-serial V-tiled Triton reverse kernel (kernels/triton_backward.py, checkpoints "
+    gradients=("token-serial V-tiled Triton reverse kernel (kernels/triton/backward.py, checkpoints "
                "every 64 tokens), every non-slab call; not yet the chunked (WY) backward"),
 )
 
@@ -126,7 +126,7 @@ def token_layout(p: Problem, packed: bool = False) -> Layout:
 
 
 def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
-    from ..kernels.triton_recurrent import recurrent
+    from ..kernels.triton.recurrent import recurrent
 
     if p.requires_grad:
         x = _grad.differentiable_operands(p)
@@ -142,7 +142,7 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     if p.max_len <= RECURRENT_MAX_LEN or p.plan.speculative:
         o, S = recurrent(*args, token_rows=lay.token_rows, **flags)
     else:
-        from ..kernels.triton_chunked import chunked
+        from ..kernels.triton.chunked import chunked
 
         o, S = chunked(*args, **flags)
     if p.in_place:
@@ -154,7 +154,7 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
 def _backward_tables(p: Problem):
     """(seq [N, 3] int64 on the device: first flat token, length, first checkpoint row; first
     [N + 1] host `triton_backward.checkpoint_rows`), kept with the plan."""
-    from ..kernels import triton_backward
+    from ..kernels.triton import backward as triton_backward
 
     def build():
         first = triton_backward.checkpoint_rows([s.length for s in p.spans])
@@ -168,11 +168,11 @@ class _Recurrence(torch.autograd.Function):
     """The recurrence on `_grad.Operands` (float32, API token layout) -> (o [B, T, Hv, G, V]
     float32, S [N, Hv, K, V] float32). The forward keeps the state at the start of every
     64-token chunk; the backward recomputes each chunk from it and walks it in reverse
-    (`kernels/triton_backward.py`, token-serial)."""
+    (`kernels/triton/backward.py`, token-serial)."""
 
     @staticmethod
     def forward(ctx, p, q, k, v, g, gk, b, w, S0):
-        from ..kernels import triton_backward
+        from ..kernels.triton import backward as triton_backward
 
         seq, first = _backward_tables(p)
         zero = not p.plan.covered()
@@ -183,7 +183,7 @@ class _Recurrence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dS):
-        from ..kernels import triton_backward
+        from ..kernels.triton import backward as triton_backward
 
         p = ctx.p
         q, k, v, g, gk, b, w, ck = ctx.saved_tensors

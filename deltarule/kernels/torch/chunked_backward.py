@@ -6,7 +6,7 @@ pass, one step per chunk. Chunks are the forward's checkpoint intervals
 (`recurrent_backward.CHECKPOINT` tokens, their entering states are `starts`),
 padded with identity steps to a power of two when the decay is per key.
 
-Per chunk (the forward of `kernels/chunked.py`; G the cumulative log decay from
+Per chunk (the forward of `kernels/torch/chunked.py`; G the cumulative log decay from
 the chunk start, Γ_rs = exp(G_r - G_s) for r >= s, E = B*K*exp(G), WV = W*V):
 
     A = strict_lower((B*K) Γ K^T)   M = lower(Q Γ K^T)   T = (I + A)^-1

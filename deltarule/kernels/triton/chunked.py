@@ -67,8 +67,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import chunked as chunked_torch
-from .triton_common import (dot, dot_dtype, gate_flags, l2norm_rows, load_state_tile, new_state, raw_log_decay,
+from ..torch import chunked as chunked_torch
+from .common import (dot, dot_dtype, gate_flags, l2norm_rows, load_state_tile, new_state, raw_log_decay,
                             state_strides, store_state_tile, update_gate)
 
 CHUNK = 64

@@ -37,7 +37,7 @@ LOG_DECAY_FLOOR = -110.0
 
 
 def chunked(q, k, v, lam, b, w, S, scale: float, chunk_size: int):
-    """Same contract as `kernels.recurrent.recurrent`, computed chunk by chunk.
+    """Same contract as `kernels.torch.recurrent.recurrent`, computed chunk by chunk.
 
     Operands are token-major ([N, L, H, ...]; q and k may have Hq' / Hk heads
     dividing H, each serving H / Hk consecutive state heads). One group of

@@ -1,4 +1,4 @@
-/* A struct's field table, exported so that the Python binding (kernels/cpu_layout.py), which
+/* A struct's field table, exported so that the Python binding (kernels/cpu/layout.py), which
  * generates its packing of the struct from a table of its own, compares every field's offset and
  * size with the compiler's when the library loads: a field moved, added or retyped on one side
  * only is an ImportError, never a misread struct. */

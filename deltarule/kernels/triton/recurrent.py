@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import (gate_flags, l2norm_vector, load_state_tile, new_state, raw_log_decay, state_strides,
+from .common import (gate_flags, l2norm_vector, load_state_tile, new_state, raw_log_decay, state_strides,
                             store_state_tile, update_gate)
 
 

@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-from .cpu_layout import BACKWARD, CONV, PROBLEM
+from .layout import BACKWARD, CONV, PROBLEM
 
 ABSENT, SCALAR, CHANNEL = 0, 1, 2        # gate forms, as in recurrent.c
 TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # element types, as in recurrent.c
@@ -42,7 +42,7 @@ def _load():
     # build, .ci/sanitize); a missing file is an error, never a silent fallback
     path = os.environ.get("DELTARULE_CPU_KERNEL")
     if not path:
-        spec = importlib.util.find_spec("deltarule.kernels._recurrent_cpu")
+        spec = importlib.util.find_spec("deltarule.kernels.cpu._native")
         if spec is None or spec.origin is None:
             return None
         path = spec.origin
@@ -90,7 +90,7 @@ def use_threads(kind: str) -> str:
     where torch has no OpenMP runtime). Not while a kernel call runs. Results are the same
     bits either way.
 
-    >>> from deltarule.kernels import cpu_recurrent
+    >>> from deltarule.kernels.cpu import recurrent as cpu_recurrent
     >>> cpu_recurrent.use_threads("own")
     'own'
     >>> cpu_recurrent.use_threads("openmp")         # torch's pool (torch's CPU wheels run on OpenMP)

@@ -8,8 +8,8 @@ import threading
 
 import torch
 
-from .cpu_layout import CONV, MAX_PARTS
-from .cpu_recurrent import _LIB
+from .layout import CONV, MAX_PARTS
+from .recurrent import _LIB
 
 _TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 CHANNEL_BLOCK = 512          # conv.c's CB: a task is one sequence's block of channels

@@ -74,7 +74,7 @@ class Layout:
         if problems:
             raise ImportError(f"deltarule cpu kernel: `{self.name}` differs between the C file and the binding "
                               f"({'; '.join(problems)}); rebuild (pip install --no-build-isolation -e .) or mend "
-                              "the table in deltarule/kernels/cpu_layout.py")
+                              "the table in deltarule/kernels/cpu/layout.py")
 
 
 class _Field(ctypes.Structure):

@@ -2,7 +2,7 @@
 
 This is the first Triton backward (docs/algorithm.md section 7). It walks the
 tokens of each sequence one at a time in reverse, like `recurrent_backward.py`
-(torch ops) and `kernels/csrc/backward.c` (the cpu backend), with the same
+(torch ops) and `kernels/cpu/csrc/backward.c` (the cpu backend), with the same
 operands and outputs; the chunked (WY / UT transform) backward that the issue
 asks for is still to do.
 
