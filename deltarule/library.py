@@ -8,8 +8,10 @@ runs without a graph break, `fullgraph=True` included, and an exported program h
 
 - ``deltarule::linear_attention``: every call without a slab; returns a fresh ``(o, state)``.
   Differentiable (`register_autograd`): its backward is ``deltarule::linear_attention_backward``,
-  which recomputes the call with its inputs requiring grad and runs the backend's own
-  reverse kernel (`torch.autograd.grad` through the eager path).
+  which recomputes the call under `torch.func.vjp` and so runs the backend's own reverse
+  kernel, as eager code does (no private dispatcher API: the implementation of an op runs
+  below autograd, where `torch.autograd.grad` would see no graph, but torch.func's
+  transforms work there).
 - ``deltarule::linear_attention_slab``: a slab call (``state_indices``, or a plan with slab
   rows); updates ``initial_state`` in place (declared mutated) and returns ``o``. Preceded by
   ``deltarule::check_slab`` (no outputs, kept by dead-code elimination): the aliasing rule on the
@@ -114,18 +116,17 @@ def _check_slab(initial_state, *inputs):
 def _backward_op(do, dstate, *args):
     """The gradients of `linear_attention`'s o and state (do, dstate) with respect to its
     operands (`arguments.OPERANDS`, in that order; an empty tensor for an absent one): the
-    call recomputed with those inputs requiring grad, differentiated by the backend's own
-    backward."""
+    call recomputed under `torch.func.vjp` (public, and it works below the autograd keys,
+    where a custom op's implementation runs), so the backend's own backward runs as in eager
+    code (each backend's `torch.autograd.Function` has torch.func's form)."""
     call = _call(args)
-    leaves = {}
-    for name in arguments.OPERANDS:
-        if call[name] is not None:
-            call[name] = leaves[name] = call[name].detach().requires_grad_(True)
-    with _autograd(), torch.enable_grad():
-        o, state = engine.run_call(call)
-        grads = torch.autograd.grad((o, state), list(leaves.values()), (do, dstate), allow_unused=True,
-                                    materialize_grads=True)
-    found = dict(zip(leaves, grads))
+    names = [n for n in arguments.OPERANDS if call[n] is not None]
+
+    def forward(*operands):
+        return engine.run_call({**call, **dict(zip(names, operands))})
+
+    _, vjp = torch.func.vjp(forward, *(call[n] for n in names))
+    found = dict(zip(names, vjp((do, dstate))))
     q = call["q"]
     return [found[name].contiguous() if name in found else q.new_empty(0) for name in arguments.OPERANDS]
 
@@ -133,16 +134,6 @@ def _backward_op(do, dstate, *args):
 def _backward_op_fake(do, dstate, *args):
     call = dict(zip(_OP_NAMES, args))
     return [call["q"].new_empty(0) if call[n] is None else torch.empty_like(call[n]) for n in arguments.OPERANDS]
-
-
-def _autograd():
-    """Autograd back on inside a custom op's implementation, which runs below it (the dispatcher
-    excludes the autograd keys there; torch 2.13 names them as below)."""
-    K = torch._C.DispatchKey
-    autograd = (torch._C.DispatchKeySet(K.AutogradFunctionality) | torch._C.DispatchKeySet(K.AutogradOther)
-                | torch._C.DispatchKeySet(K.AutogradNestedTensor))
-    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
-                                           torch._C._dispatch_tls_local_exclude_set() - autograd)
 
 
 def _setup_context(ctx, inputs, output):

@@ -154,8 +154,16 @@ def test_fullgraph_without_a_plan_matches_eager(varlen, backend):
     assert graphs.ops() == ["deltarule.linear_attention.default"]
 
 
-@pytest.mark.parametrize("backend", [CPU, "torch"])
+TRITON = pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.skipif(
+    not deltarule.backends.triton_backend.available(), reason="triton: not installed, no GPU and no interpreter")])
+
+
+@pytest.mark.parametrize("backend", [CPU, "torch", TRITON, "reference"])
 def test_fullgraph_gradients_match_eager(backend):
+    """The compiled backward (`deltarule::linear_attention_backward`: the call under
+    torch.func.vjp) runs the backend's own reverse kernel, as eager code: the same gradients
+    (bit for bit on torch and reference; the native and Triton kernels' runs differ in the
+    last bits: 1e-7 seen)."""
     args = cases.make_inputs(small_case(B=2, T=21, decay="gk", raw_gate=True, beta_sigmoid=True))
     names = ["q", "k", "v", "g", "gk", "beta", "initial_state", "A_log", "dt_bias"]
     names = [n for n in names if args.get(n) is not None]
@@ -170,8 +178,8 @@ def test_fullgraph_gradients_match_eager(backend):
 
     fn, graphs = compiled(loss)
     for name, got, want in zip(names, grads(fn), grads(loss)):
-        assert rel(got, want) < 1e-5, name
-    assert "deltarule.linear_attention.default" in graphs.ops()
+        assert rel(got, want) < 1e-6, name
+    assert graphs.ops() == ["deltarule.linear_attention.default"]
 
 
 def test_an_invalid_call_is_refused_when_the_compiled_code_runs_it():

@@ -222,8 +222,10 @@ def finish(p: Problem, pk: Packing, o: torch.Tensor, S: torch.Tensor | None,
     layout = (lambda x: x.transpose(-1, -2)) if p.state_layout == "vk" else (lambda x: x)  # noqa: E731
     if not p.in_place:
         state = layout(S).to(p.state_dtype)
-        if p.initial_state is not None and state.data_ptr() == p.initial_state.data_ptr():
-            state = state.clone()           # no step ran: never hand back the caller's tensor
+        # no step ran: never hand back the caller's tensor (a differentiable call's S is fresh:
+        # `torch_backend.Recurrence`; its tensors may be torch.func's, which have no data_ptr)
+        if p.initial_state is not None and not p.requires_grad and state.data_ptr() == p.initial_state.data_ptr():
+            state = state.clone()
         return o, state.contiguous()
     if token_states is not None:
         sequences, tokens, _ = p.plan.token_writes()

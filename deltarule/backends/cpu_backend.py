@@ -22,6 +22,7 @@ import glob
 import math
 import threading
 import weakref
+from typing import Optional
 
 import numpy as np
 import torch
@@ -120,7 +121,7 @@ def supports(p: Problem) -> str | None:
 def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     if p.requires_grad:
         x = _grad.differentiable_operands(p)
-        o, S = _Recurrence.apply(p, x.q, x.k, x.v, x.g, x.gk, x.b, x.w, x.S0)
+        o, S, _, _ = _Recurrence.apply(p, x.q, x.k, x.v, x.g, x.gk, x.b, x.w, x.S0)
         return o.view(p.B, p.T, p.Ho, p.V).to(p.v.dtype), _grad.differentiable_state(p, S)
     launch = Launch(p, per_call_checks=False)          # validate has checked this call
     return launch(p.q, p.k, p.v, p.g, p.gk, p.beta, p.erase, p.write, p.A_log, p.dt_bias, p.initial_state)
@@ -290,10 +291,12 @@ class _Recurrence(torch.autograd.Function):
     float32, S [N, Hv, K, V] float32). The forward runs the kernel once, keeping the state
     at the start of every chunk of CHECKPOINT tokens and every token's u = w*v - r (so the
     backward recomputes a chunk's states without the retrieval); the backward runs
-    backward.c."""
+    backward.c. Those two are outputs too (not differentiable), so that the Function has
+    torch.func's form (a forward without ctx, `setup_context`): the compiled backward op
+    (`deltarule.library`) differentiates a call with `torch.func.vjp`."""
 
     @staticmethod
-    def forward(ctx, p, q, k, v, g, gk, b, w, S0):
+    def forward(p, q, k, v, g, gk, b, w, S0):
         spans, first, starts, finals = _checkpoint_tables(p)
         ck = _empty((int(first[-1]), p.Hv, p.K, p.V), torch.float32, pool_from=GRAD_POOL_MIN_BYTES)
         ck[starts] = 0.0 if S0 is None else S0
@@ -304,32 +307,59 @@ class _Recurrence(torch.autograd.Function):
         cpu_recurrent.Recurrence(q, k, v, g, gk, b, w, None, None, ck, ck, o, spans, None, owner, scale=p.scale,
                                  l2norm_eps=None, u_out=u, checkpoint=CHECKPOINT).run_packed(_threads(p, p.plan.steps))
         S = ck.index_select(0, finals)
-        ctx.p = p
-        ctx.save_for_backward(q, k, v, u, g, gk, b, w, ck)
-        return o, S
+        return o, S, u, ck
 
     @staticmethod
-    def backward(ctx, do, dS):
+    def setup_context(ctx, inputs, output):
+        p, q, k, v, g, gk, b, w, _ = inputs
+        _, _, u, ck = output
+        ctx.mark_non_differentiable(u, ck)
+        ctx.p = p
+        ctx.save_for_backward(q, k, v, u, g, gk, b, w, ck)
+
+    @staticmethod
+    def backward(ctx, do, dS, _du, _dck):
         p = ctx.p
         q, k, v, u, g, gk, b, w, ck = ctx.saved_tensors
         need = ctx.needs_input_grad[1:]
-        B, T, Hv, K, V = p.B, p.T, p.Hv, p.K, p.V
-        zero = not p.plan.covered()
-        out = lambda *shape: _empty(shape, torch.float32, zero=zero, pool_from=GRAD_POOL_MIN_BYTES)  # noqa: E731
-        gate = lambda x, channels: None if x is None else out(B, T, Hv, *channels[:x.dim() - 3])  # noqa: E731
-        dq = out(B, T, Hv, p.G, K) if need[0] else None
-        dk, dv = out(B, T, Hv, K), out(B, T, Hv, V)
-        dlam = None if g is None and gk is None else out(B, T, Hv, *((K,) if gk is not None else ()))
-        db, dw = gate(b, (K,)), gate(w, (V,))
-        dS0 = torch.empty(p.N, Hv, K, V) if need[7] else None
-        do = torch.zeros(B, T, Hv, p.G, V) if do is None else do.float().contiguous()
+        do = torch.zeros(p.B, p.T, p.Hv, p.G, p.V) if do is None else do.float().contiguous()
         dS = None if dS is None else dS.float().contiguous()
-        cpu_recurrent.backward(q, k, v, u, g, gk, b, w, ck, dS, do, _backward_spans(p), dq, dk, dv, dlam, db, dw,
-                               dS0, scale=p.scale, chunk=CHECKPOINT, threads=_threads(p, 4 * p.plan.steps))
+        dq, dk, dv, dlam, db, dw, dS0 = (
+            None if absent else x for x, absent in zip(
+                _native_backward(q, k, v, u, g, gk, b, w, ck, dS, do, _backward_spans(p), p.scale, p.N,
+                                 not p.plan.covered(), need[0], need[7], _threads(p, 4 * p.plan.steps)),
+                (not need[0], False, False, g is None and gk is None, b is None, w is None, not need[7])))
         dq, dk = _grad.head_sums(p, dq, dk)
         dg = None if g is None else (dlam if gk is None else dlam.sum(-1))
         grads = (dq, dk, dv, dg, dlam if gk is not None else None, db, dw, dS0)
         return (None, *(x if n else None for x, n in zip(grads, need)))
+
+
+@torch.library.custom_op("deltarule::cpu_backward", mutates_args=())
+def _native_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, u: torch.Tensor, g: Optional[torch.Tensor],
+                     gk: Optional[torch.Tensor], b: Optional[torch.Tensor], w: Optional[torch.Tensor],
+                     ck: torch.Tensor, dS: Optional[torch.Tensor], do: torch.Tensor, spans: torch.Tensor,
+                     scale: float, num_states: int, zero: bool, need_dq: bool, need_dS0: bool,
+                     threads: int) -> list[torch.Tensor]:
+    """The native reverse kernel (`cpu_recurrent.backward`) as an op: [dq, dk, dv, dlam, db, dw,
+    dS0], an empty tensor for each one the call has no use for (no decay, no gate, not needed).
+    An op because `_Recurrence.backward` runs under `torch.func.vjp` in the compiled backward
+    (`deltarule.library`), where its tensors are torch.func's wrappers without storage: an
+    op's implementation receives the plain tensors. Shapes as `_Recurrence`'s operands: q
+    [B, T, Hq/G, G, K] (dq per state head [B, T, Hv, G, K]), u [B, T, Hv, V], ck the
+    checkpoints, do [B, T, Hv, G, V], dS None | [N, Hv, K, V], spans `_backward_spans`."""
+    B, T, Hv, V = v.shape
+    K, G = k.shape[3], q.shape[3]
+    out = lambda *shape: _empty(shape, torch.float32, zero=zero, pool_from=GRAD_POOL_MIN_BYTES)  # noqa: E731
+    gate = lambda x, channels: None if x is None else out(B, T, Hv, *channels[:x.dim() - 3])  # noqa: E731
+    dq = out(B, T, Hv, G, K) if need_dq else None
+    dk, dv = out(B, T, Hv, K), out(B, T, Hv, V)
+    dlam = None if g is None and gk is None else out(B, T, Hv, *((K,) if gk is not None else ()))
+    db, dw = gate(b, (K,)), gate(w, (V,))
+    dS0 = torch.empty(num_states, Hv, K, V) if need_dS0 else None
+    cpu_recurrent.backward(q, k, v, u, g, gk, b, w, ck, dS, do, spans, dq, dk, dv, dlam, db, dw, dS0, scale=scale,
+                           chunk=CHECKPOINT, threads=threads)
+    return [q.new_empty(0) if x is None else x for x in (dq, dk, dv, dlam, db, dw, dS0)]
 
 
 def _checkpoint_tables(p: Problem):

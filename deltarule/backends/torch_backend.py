@@ -44,7 +44,7 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     pk = _prepare.pack(p)
     x = _prepare.operands(p, pk)
     if p.requires_grad:
-        o, S = Recurrence.apply(p.scale, p.chunk_size, x.q, x.k, x.v, x.lam, x.b, x.w, x.S0)
+        o, S, _ = Recurrence.apply(p.scale, p.chunk_size, x.q, x.k, x.v, x.lam, x.b, x.w, x.S0)
         return _prepare.finish(p, pk, o, S)
     states = None
     if pk.L <= RECURRENT_MAX_LEN or p.plan.speculative:
@@ -59,18 +59,26 @@ class Recurrence(torch.autograd.Function):
     (`recurrent_backward.checkpointed`); the backward runs chunk by chunk in matrix products
     (`chunked_backward.backward`) when the sequence is longer than RECURRENT_MAX_LEN, else
     walks the tokens in reverse (`recurrent_backward.backward`). Operands in float32, or all
-    float64 (gradcheck)."""
+    float64 (gradcheck). Returns (o, S, the chunk-start states): those are an output (not
+    differentiable) so that the Function has torch.func's form (a forward without ctx,
+    `setup_context`): the compiled backward op differentiates a call with `torch.func.vjp`."""
 
     @staticmethod
-    def forward(ctx, scale, chunk_size, q, k, v, lam, b, w, S0):
+    def forward(scale, chunk_size, q, k, v, lam, b, w, S0):
         o, S, starts = recurrent_backward.checkpointed(q, k, v, lam, b, w, S0, scale, chunk_size,
                                                        recurrent_max_len=RECURRENT_MAX_LEN)
-        ctx.scale = scale
-        ctx.save_for_backward(q, k, v, lam, b, w, starts)
-        return o, S
+        return o, S.clone() if S is S0 else S, starts         # (no step ran: S is not S0)
 
     @staticmethod
-    def backward(ctx, do, dS):
+    def setup_context(ctx, inputs, output):
+        scale, _, q, k, v, lam, b, w, _ = inputs
+        starts = output[2]
+        ctx.mark_non_differentiable(starts)
+        ctx.scale = scale
+        ctx.save_for_backward(q, k, v, lam, b, w, starts)
+
+    @staticmethod
+    def backward(ctx, do, dS, _dstarts):
         q, k, v, lam, b, w, starts = ctx.saved_tensors
         if do is None:
             N, L, H, G, V = *k.shape[:2], v.shape[2], q.shape[3], v.shape[3]

@@ -22,6 +22,7 @@ before the first call imports the kernel module.
 from __future__ import annotations
 
 import os
+from typing import Optional
 from dataclasses import dataclass
 
 import torch
@@ -130,7 +131,7 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
 
     if p.requires_grad:
         x = _grad.differentiable_operands(p)
-        o, S = _Recurrence.apply(p, x.q, x.k, x.v, x.g, x.gk, x.b, x.w, x.S0)
+        o, S, _ = _Recurrence.apply(p, x.q, x.k, x.v, x.g, x.gk, x.b, x.w, x.S0)
         return o.view(p.B, p.T, p.Ho, p.V).to(p.v.dtype), _grad.differentiable_state(p, S)
     lay = token_layout(p)
     x = _prepare.raw_operands(p, lay.packing)
@@ -168,31 +169,38 @@ class _Recurrence(torch.autograd.Function):
     """The recurrence on `_grad.Operands` (float32, API token layout) -> (o [B, T, Hv, G, V]
     float32, S [N, Hv, K, V] float32). The forward keeps the state at the start of every
     64-token chunk; the backward recomputes each chunk from it and walks it in reverse
-    (`kernels/triton/backward.py`, token-serial)."""
+    (`kernels/triton/backward.py`, token-serial). The checkpoints are an output too (not
+    differentiable): torch.func's form, as `cpu_backend._Recurrence`."""
 
     @staticmethod
-    def forward(ctx, p, q, k, v, g, gk, b, w, S0):
+    def forward(p, q, k, v, g, gk, b, w, S0):
         from ..kernels.triton import backward as triton_backward
 
         seq, first = _backward_tables(p)
         zero = not p.plan.covered()
         o, ck, S = triton_backward.forward(q, k, v, g, gk, b, w, S0, p.scale, seq, first, zero)
-        ctx.p = p
-        ctx.save_for_backward(q, k, v, g, gk, b, w, ck)
-        return o, S
+        return o, S, ck
 
     @staticmethod
-    def backward(ctx, do, dS):
-        from ..kernels.triton import backward as triton_backward
+    def setup_context(ctx, inputs, output):
+        p, q, k, v, g, gk, b, w, _ = inputs
+        ctx.mark_non_differentiable(output[2])
+        ctx.p = p
+        ctx.save_for_backward(q, k, v, g, gk, b, w, output[2])
 
+    @staticmethod
+    def backward(ctx, do, dS, _dck):
         p = ctx.p
         q, k, v, g, gk, b, w, ck = ctx.saved_tensors
         need = ctx.needs_input_grad[1:]
         seq, _ = _backward_tables(p)
         do = None if do is None else do.float().contiguous()
         dS = None if dS is None else dS.float().contiguous()
-        dq, dk, dv, dlam, db, dw, dS0 = triton_backward.backward(
-            q, k, v, g, gk, b, w, ck, do, dS, p.scale, seq, p.max_len, not p.plan.covered(), need_dS0=need[7])
+        dq, dk, dv, dlam, db, dw, dS0 = (
+            None if absent else x for x, absent in zip(
+                _kernel_backward(q, k, v, g, gk, b, w, ck, do, dS, p.scale, seq, p.max_len, not p.plan.covered(),
+                                 need[7]),
+                (False, False, False, g is None and gk is None, b is None, w is None, not need[7])))
         dq, dk = _grad.head_sums(p, dq, dk)
         dg = None if g is None else dlam.sum(-1)
         if b is not None and b.dim() == 3:
@@ -201,3 +209,18 @@ class _Recurrence(torch.autograd.Function):
             dw = dw.sum(-1)
         grads = (dq, dk, dv, dg, dlam if gk is not None else None, db, dw, dS0)
         return (None, *(x if n else None for x, n in zip(grads, need)))
+
+
+@torch.library.custom_op("deltarule::triton_backward", mutates_args=())
+def _kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
+                     gk: Optional[torch.Tensor], b: Optional[torch.Tensor], w: Optional[torch.Tensor],
+                     ck: torch.Tensor, do: Optional[torch.Tensor], dS: Optional[torch.Tensor], scale: float,
+                     seq: torch.Tensor, max_len: int, zero_outputs: bool, need_dS0: bool) -> list[torch.Tensor]:
+    """`triton_backward.backward` as an op: [dq, dk, dv, dlam, db, dw, dS0], an empty tensor for
+    each absent one. An op for the reason `cpu_backend._native_backward` is one (the compiled
+    backward runs `_Recurrence.backward` under torch.func, whose tensors have no storage)."""
+    from ..kernels.triton import backward as triton_backward
+
+    grads = triton_backward.backward(q, k, v, g, gk, b, w, ck, do, dS, scale, seq, max_len, zero_outputs,
+                                     need_dS0=need_dS0)
+    return [q.new_empty(0) if x is None else x for x in grads]
