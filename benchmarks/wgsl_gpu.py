@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.normpath(os.path.join(HERE, "..")))
 import deltarule  # noqa: E402
 from deltarule import cases  # noqa: E402
 from deltarule.check import expected, rel_err  # noqa: E402
-from deltarule.kernels.wgsl import WgslStateSlab, _device  # noqa: E402
+from deltarule import WgslStateSlab  # noqa: E402
+from deltarule.kernels.wgsl import _device  # noqa: E402
 
 TOL = {"float32": 5e-5, "float16": 1e-2, "bfloat16": 1e-2}
 TARGET_DECODE_RATIO = 1 / 1.5

@@ -2,6 +2,7 @@
 
 from .api import linear_attention, validate
 from .backends import info as backend_info
+from .backends.wgsl_slab import WgslStateSlab
 from .batch import BatchPlan, plan_batch
 from .errors import ContractError, Unsupported
 from .gate import gate
@@ -9,4 +10,4 @@ from .gate import gate
 __version__ = "0.1.0"
 
 __all__ = ["linear_attention", "validate", "plan_batch", "BatchPlan", "backend_info", "gate", "ContractError",
-           "Unsupported", "__version__"]
+           "Unsupported", "WgslStateSlab", "__version__"]

@@ -75,7 +75,7 @@ def linear_attention(
             zeros. With `state_indices` it is a slab [S, Hv, ...] updated IN
             PLACE and returned: its elements may not share memory with each
             other or with any input (docs/design.md, "Aliasing"); a device-resident slab
-            (`deltarule.kernels.wgsl.WgslStateSlab`) runs on its own backend.
+            (`deltarule.WgslStateSlab`) runs on its own backend.
         state_layout: "kv" (default) or "vk", the layout of `initial_state`
             and of the returned state.
         cu_seqlens: [N + 1] int32 / int64 packed varlen offsets; needs B == 1.

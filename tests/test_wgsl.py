@@ -31,7 +31,8 @@ from deltarule import cases  # noqa: E402
 from deltarule.backends import wgsl_backend  # noqa: E402
 from deltarule.check import expected  # noqa: E402
 from deltarule.kernels import wgsl  # noqa: E402
-from deltarule.kernels.wgsl import WgslStateSlab, recurrent  # noqa: E402
+from deltarule import WgslStateSlab  # noqa: E402
+from deltarule.kernels.wgsl import recurrent  # noqa: E402
 
 pytestmark = pytest.mark.wgsl
 
@@ -225,7 +226,7 @@ def test_specialization_is_cached_per_key():
 
 
 def test_slab_docstring_example_runs():
-    from deltarule.kernels.wgsl import slab
+    from deltarule.backends import wgsl_slab as slab
     result = doctest.testmod(slab)
     assert result.attempted > 0 and result.failed == 0
 

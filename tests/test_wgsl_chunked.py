@@ -20,7 +20,8 @@ import torch  # noqa: E402
 import deltarule  # noqa: E402
 from deltarule import cases  # noqa: E402
 from deltarule.check import expected  # noqa: E402
-from deltarule.kernels.wgsl import WgslStateSlab, chunked  # noqa: E402
+from deltarule import WgslStateSlab  # noqa: E402
+from deltarule.kernels.wgsl import chunked  # noqa: E402
 
 pytestmark = pytest.mark.wgsl
 

@@ -95,7 +95,8 @@ def _prefill(p: Problem, state, rows: list[int]) -> torch.Tensor:
 
 
 def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
-    from ..kernels.wgsl import WgslStateSlab, _device, recurrence
+    from ..kernels.wgsl import _device, recurrence
+    from .wgsl_slab import WgslStateSlab
     from ..kernels.wgsl.recurrent import NO_ROW
 
     init, plan = p.initial_state, p.plan

@@ -9,6 +9,5 @@ cached. Import is cheap: the adapter is requested on first use.
 from ._device import unavailable_reason
 from .gate import fused_gate
 from .recurrent import recurrence
-from .slab import WgslStateSlab
 
-__all__ = ["WgslStateSlab", "fused_gate", "recurrence", "unavailable_reason"]
+__all__ = ["fused_gate", "recurrence", "unavailable_reason"]

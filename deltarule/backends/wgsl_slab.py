@@ -1,12 +1,12 @@
-"""`WgslStateSlab`: recurrent states that stay in GPU memory between calls."""
+"""`WgslStateSlab` (`deltarule.WgslStateSlab`): recurrent states that stay in GPU memory between
+calls, the `wgsl` backend's device slab."""
 
 from __future__ import annotations
 
 import torch
 
-from ...problem import DeviceSlab
-from ...problem import LAYOUTS
-from . import _device
+from ..kernels.wgsl import _device
+from ..problem import LAYOUTS, DeviceSlab
 
 
 class WgslStateSlab(DeviceSlab):
@@ -28,7 +28,7 @@ class WgslStateSlab(DeviceSlab):
 
     Example:
         >>> import torch, deltarule
-        >>> from deltarule.kernels.wgsl import WgslStateSlab
+        >>> from deltarule import WgslStateSlab
         >>> B, H, K, V = 2, 2, 8, 8
         >>> slab = WgslStateSlab(4, H, K, V)
         >>> slab.upload(torch.ones(4, H, K, V))
