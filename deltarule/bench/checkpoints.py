@@ -114,7 +114,7 @@ def _kimi_linear_layout(cfg, directory: str) -> None:
     under ``mlp.`` (transformers saves them as ``block_sparse_moe.``)."""
     import json
     from safetensors.torch import load_file, save_file
-    from ..integrations.vllm_families import moonshot_kimi_config
+    from ..integrations.vllm.kimi import moonshot_kimi_config
     dense = [i for i, kind in enumerate(cfg.mlp_layer_types) if kind == "dense"]
     path = os.path.join(directory, "config.json")
     with open(path) as f:

@@ -47,6 +47,7 @@ import torch
 
 from ..api import call as _call
 from ..errors import ContractError
+from ..gate import bounded_gate
 
 __all__ = [
     "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
@@ -191,13 +192,7 @@ def _vector_gate(g, A_log, dt_bias, lower_bound, *, use_gate_in_kernel, fn):
         if dt_bias is None:
             dt_bias = torch.zeros(HV, K, dtype=torch.float32, device=g.device)
         return {"gk": g, "A_log": A_log, "dt_bias": dt_bias}   # -exp(A_log) * softplus(g + dt_bias)
-    # fla's bounded gate: lower_bound * sigmoid(exp(A_log) * (g + dt_bias)), formed in float32.
-    x = g.to(torch.float32)
-    if dt_bias is not None:
-        x = x + dt_bias.to(torch.float32)
-    if A_log is not None:
-        x = torch.exp(A_log.to(torch.float32))[:, None] * x
-    return {"gk": float(lower_bound) * torch.sigmoid(x)}
+    return {"gk": bounded_gate(g, lower_bound, A_log, dt_bias)}   # fla's bounded gate, formed in float32
 
 
 def _scalar_gate(g, gk, A_log, dt_bias, *, use_gate_in_kernel, fn):
