@@ -12,7 +12,7 @@ per Triton op per program.
 
 import pytest
 
-from conftest import assert_slab_updated_in_place, case_id, err, params, require_triton, state_dtype, state_tol
+from conftest import assert_slab_updated_in_place, case_id, err, params, rel, require_triton, state_dtype, state_tol
 
 require_triton()
 
@@ -349,3 +349,133 @@ def test_dot_precision(dt):
     assert (c.double() - ref).norm() / ref.norm() < 1e-6
     if dt == "bfloat16":                              # and not the float32 product
         assert (c.double() - a.double() @ b.double()).norm() / ref.norm() > 1e-4
+
+
+# ---- Each stage alone against its torch twin (deltarule/kernels/triton/chunked_ref.py) --------
+# A stage gets its twin's outputs of the stages before it, so a failure names one stage. Rows
+# outside every span are left out of the comparison (the stages do not write them). Float32
+# inputs; the twins compute in float64.
+
+from deltarule.kernels.triton import chunked_ref  # noqa: E402
+
+STAGE_TOL = 2e-5
+# packed: 2 rows of 65 tokens (a chunk and one token); spans: 150 flat tokens holding an empty
+# sequence, 63, 0, 1 and 80 tokens (80 spans two chunks)
+STAGE_LAYOUTS = {"packed": (2, 65, None), "spans": (1, 150, [(0, 0), (0, 63), (63, 0), (63, 1), (64, 80)])}
+
+
+def stage_inputs(layout: str, decay: str, update: str, seed: int = 0) -> dict:
+    """Operands of the stages in the backend's token-major layout: H = 4 state heads, 2 key heads,
+    2 query heads of G = 1, K = 20, V = 24; decay "none" | "g" | "gk" | "g+gk" | "raw-g" |
+    "raw-gk"; update "beta" | "erase_write" | "none"."""
+    gen = torch.Generator().manual_seed(seed)
+    N, L, spans = STAGE_LAYOUTS[layout]
+    H, Hk, Hq, K, V = 4, 2, 2, 20, 24
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
+    uni = lambda *s: torch.rand(*s, generator=gen).to(DEVICE)  # noqa: E731
+    x = dict(q=rnd(N, L, Hq, 1, K), k=torch.nn.functional.normalize(rnd(N, L, Hk, K), dim=-1), v=rnd(N, L, H, V),
+             g=None, gk=None, A_log=None, dt_bias=None, b=None, w=None)
+    raw = decay.startswith("raw-")
+    if "gk" in decay:
+        x["gk"] = rnd(N, L, H, K) if raw else -uni(N, L, H, K) * 0.3
+    if decay in ("g", "g+gk", "raw-g"):
+        x["g"] = rnd(N, L, H) if raw else -uni(N, L, H)
+    if raw:
+        x["A_log"], x["dt_bias"] = rnd(H) * 0.5, rnd(*((H, K) if "gk" in decay else (H,)))
+    if update == "beta":
+        x["b"] = x["w"] = uni(N, L, H)
+    elif update == "erase_write":
+        x["b"], x["w"] = uni(N, L, H, K), uni(N, L, H, V)
+    lay = triton_chunked.chunk_layout(N, L, H, spans, DEVICE)
+    return x, lay
+
+
+def in_spans(x: torch.Tensor, lay) -> torch.Tensor:
+    """The rows of a [N, L, ...] tensor that lie in a span, [tokens, ...]."""
+    flat = x.reshape(lay.N * lay.L, *x.shape[2:])
+    rows = [r for _, _, _, span in chunked_ref.chunks(lay) for r in range(span.start, span.stop)]
+    return flat[torch.tensor(rows, dtype=torch.int64, device=flat.device)]
+
+
+def stage_id(layout, decay, update):
+    return f"{layout}-{decay}-{update}"
+
+
+def twin_gc(x, lay):
+    """(gc of the twin or None, the scalar g the later stages take)."""
+    if x["gk"] is None:
+        return None, x["g"]
+    return chunked_ref.chunk_cumsum_ref(x["g"], x["gk"], x["A_log"], x["dt_bias"], lay), None
+
+
+@pytest.mark.parametrize("layout", STAGE_LAYOUTS)
+@pytest.mark.parametrize("decay", ["gk", "g+gk", "raw-gk"])
+def test_stage_cumsum_matches_its_twin(decay, layout):
+    x, lay = stage_inputs(layout, decay, "none")
+    got = triton_chunked.chunk_cumsum(x["g"], x["gk"], x["A_log"], x["dt_bias"], lay)
+    want = chunked_ref.chunk_cumsum_ref(x["g"], x["gk"], x["A_log"], x["dt_bias"], lay)
+    assert got.dtype == torch.float64
+    assert rel(in_spans(got, lay), in_spans(want, lay)) < STAGE_TOL
+
+
+INTRA_FORMS = [("packed", "none", "beta"), ("packed", "g", "beta"), ("packed", "gk", "erase_write"),
+               ("packed", "raw-g", "erase_write"), ("spans", "g+gk", "beta"), ("spans", "g", "erase_write")]
+
+
+@pytest.mark.parametrize("layout,decay,update", INTRA_FORMS, ids=[stage_id(*f) for f in INTRA_FORMS])
+def test_stage_intra_matches_its_twin(layout, decay, update):
+    """A, T = (I + A)^-1, Ũ and Y; the raw-gate form also with beta_sigmoid and qk_l2norm."""
+    x, lay = stage_inputs(layout, decay, update)
+    gc, g = twin_gc(x, lay)
+    extra = dict(beta_sigmoid=True, l2norm_eps=1e-6) if decay.startswith("raw") else {}
+    got = triton_chunked.chunk_intra(x["k"], x["v"], g, x["A_log"], x["dt_bias"], gc, x["b"], x["w"], lay, **extra)
+    want = chunked_ref.chunk_intra_ref(x["k"], x["v"], g, x["A_log"], x["dt_bias"], gc, x["b"], x["w"], lay, **extra)
+    for name, a, b in zip(("u", "y"), got, want):
+        assert rel(in_spans(a, lay), in_spans(b, lay)) < STAGE_TOL, name
+
+
+STATE_FORMS = [("packed", "none", "none"), ("packed", "g", "beta"), ("packed", "gk", "erase_write"),
+               ("spans", "raw-g", "beta"), ("spans", "g+gk", "erase_write"), ("spans", "none", "none")]
+
+
+@pytest.mark.parametrize("layout,decay,update", STATE_FORMS, ids=[stage_id(*f) for f in STATE_FORMS])
+def test_stage_state_matches_its_twin(layout, decay, update):
+    """The states entering every chunk, U = Ũ - Y S, the final states (from a given S0)."""
+    x, lay = stage_inputs(layout, decay, update)
+    gc, g = twin_gc(x, lay)
+    u, y = x["v"], None
+    if update != "none":
+        u, y = (t.float() for t in chunked_ref.chunk_intra_ref(x["k"], x["v"], g, x["A_log"], x["dt_bias"], gc,
+                                                              x["b"], x["w"], lay))
+    H, K, V = x["v"].shape[2], x["k"].shape[3], x["v"].shape[3]
+    S0 = torch.randn(lay.n_seq, H, K, V, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    want_h, want_u, want_S = chunked_ref.chunk_state_ref(x["k"], u, y, g, x["A_log"], x["dt_bias"], gc, S0, lay)
+    u_stage = u.clone()                                       # rewritten in place (with y)
+    S = torch.empty_like(S0)
+    h = triton_chunked.chunk_state(x["k"], u_stage, y, g, x["A_log"], x["dt_bias"], gc, S0, S, lay)
+    assert rel(h[:lay.n_chunks], want_h[:lay.n_chunks]) < STAGE_TOL
+    assert rel(S, want_S) < STAGE_TOL
+    assert rel(in_spans(u_stage, lay), in_spans(want_u, lay)) < STAGE_TOL
+
+
+OUTPUT_FORMS = [("packed", "none", "none"), ("packed", "g", "beta"), ("packed", "gk", "beta"),
+                ("spans", "raw-gk", "erase_write"), ("spans", "g", "none")]
+
+
+@pytest.mark.parametrize("layout,decay,update", OUTPUT_FORMS, ids=[stage_id(*f) for f in OUTPUT_FORMS])
+def test_stage_output_matches_its_twin(layout, decay, update):
+    """O = scale [(Q ⊙ exp(G)) h + M U], zero outside every span; with qk_l2norm."""
+    x, lay = stage_inputs(layout, decay, update)
+    gc, g = twin_gc(x, lay)
+    u, y = x["v"], None
+    if update != "none":
+        u, y = chunked_ref.chunk_intra_ref(x["k"], x["v"], g, x["A_log"], x["dt_bias"], gc, x["b"], x["w"], lay)
+    H, K, V = x["v"].shape[2], x["k"].shape[3], x["v"].shape[3]
+    S0 = torch.randn(lay.n_seq, H, K, V, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    h, U, _ = chunked_ref.chunk_state_ref(x["k"], u, y, g, x["A_log"], x["dt_bias"], gc, S0, lay)
+    h, U = h.float(), U.float()
+    got = triton_chunked.chunk_output(x["q"], x["k"], U, g, x["A_log"], x["dt_bias"], gc, h, lay, scale=0.3,
+                                      l2norm_eps=1e-6)
+    want = chunked_ref.chunk_output_ref(x["q"], x["k"], U, g, x["A_log"], x["dt_bias"], gc, h, lay, scale=0.3,
+                                        l2norm_eps=1e-6)
+    assert rel(got, want) < STAGE_TOL                         # (zeros outside the spans included)

@@ -11,27 +11,31 @@ per key channel) and Γ_rs = exp(G_r - G_s) for r >= s:
     O = scale [(Q ⊙ exp(G)) S0 + M U]
     S_C = diag(exp(G_C)) S0 + (K ⊙ exp(G_C - G))^T U
 
-Four kernels, float32 throughout. Chunk kernels run one program per (chunk,
+Four named stages, each a kernel and a host function that launches it by keyword and
+returns its outputs (`chunked` composes them; `chunked_ref.py` holds a torch twin of each,
+`*_ref`, against which tests/test_triton_chunked.py tests every stage alone; a
+`ChunkLayout` from `chunk_layout` says where the chunks lie, for all four). Float32
+throughout. Chunk kernels run one program per (chunk,
 state head): grid (NC, N * H) over packed [N, L] sequences, or, VARLEN, grid
 (total chunks, H) over spans of the flat token axis with the chunk indices
 (sequence, chunk) computed once on the host (`spans_tensors`), so sequences of
 very different lengths cost no padding.
 
-0. `_cumsum_kernel`, per-key decay only: G = cumsum(gk + g) per chunk into a
+0. `chunk_cumsum` (`_cumsum_kernel`), per-key decay only: G = cumsum(gk + g) per chunk into a
    float64 scratch gc [tokens, H, K] (so other rows' G can be loaded). A scalar
    g alone is summed where it is used (`_scalar_log_decay`, 64 values).
-1. `_intra_kernel`, only for the delta rules: A (scalar decay: one product
+1. `chunk_intra` (`_intra_kernel`), only for the delta rules: A (scalar decay: one product
    masked by the C x C decay matrix; per key: `_pairwise_per_key`), T by
    `_unit_lower_inverse` (16 x 16 diagonal blocks, then block merges),
    Ũ [tokens, H, V] and Y [tokens, H, K].
-2. `_state_kernel`, grid (cdiv(V, BV), sequences * H): keeps the [K, BV]
+2. `chunk_state` (`_state_kernel`), grid (cdiv(V, BV), sequences * H): keeps the [K, BV]
    state tile in registers across the chunks of its sequence, stores each
    chunk's entering state h [chunks, H, K, V], turns Ũ into U in place,
    stores the final state. It reads the initial state from, and writes the
    final state to, row `idx[n]` (or n) of a state or slab with arbitrary
    strides (K-major or V-major, in place or not); a negative row is a padding
    sequence: no read, no write. Without retrieval U is v itself (T = I).
-3. `_output_kernel`, grid (chunks, cdiv(V, BV), heads): O for the G query
+3. `chunk_output` (`_output_kernel`), grid (chunks, cdiv(V, BV), heads): O for the G query
    rows of the state head.
 
 Numerical safety: no exponent is ever positive, and log decays are clamped at
@@ -62,6 +66,8 @@ tensors.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -459,10 +465,146 @@ def spans_tensors(spans, BT: int, device):
     return as_t(seq, 3), as_t(chunks, 2), first
 
 
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where a call's chunks lie, host-side, shared by every stage.
+
+    Packed ([N, L] rows are the sequences): seq = chunks = None, NC chunks per row, grids
+    (NC, N * H). VARLEN (`spans`: (first token, length) per sequence in the flat [N * L] token
+    axis): seq [sequences, 3] and chunks [n_chunks, 2] (`spans_tensors`), grids (n_chunks, H).
+    `n_seq` sequences, `n_chunks` chunks in all (the global chunk order of h), BT tokens each."""
+
+    N: int
+    L: int
+    H: int
+    n_seq: int
+    n_chunks: int
+    NC: int
+    seq: torch.Tensor | None
+    chunks: torch.Tensor | None
+    covered: bool                 # every token belongs to a sequence (else o starts zeroed)
+    BT: int = CHUNK
+    BC: int = SUB
+
+    @property
+    def varlen(self) -> bool:
+        return self.seq is not None
+
+    @property
+    def chunk_grid(self) -> tuple[int, int]:
+        """(chunk axis, head axis) of the per-chunk stages."""
+        return (self.n_chunks, self.H) if self.varlen else (self.NC, self.N * self.H)
+
+
+def chunk_layout(N: int, L: int, H: int, spans, device) -> ChunkLayout:
+    """The `ChunkLayout` of [N, L] rows (spans None) or of `spans` in their flat token axis."""
+    if spans is None:
+        NC = triton.cdiv(L, CHUNK)
+        return ChunkLayout(N=N, L=L, H=H, n_seq=N, n_chunks=N * NC, NC=NC, seq=None, chunks=None, covered=True)
+    seq, chunks, n_chunks = spans_tensors(spans, CHUNK, device)
+    covered = sum(length for _, length in spans) == N * L
+    # NC is unused with spans: every chunk program reads its coordinates
+    return ChunkLayout(N=N, L=L, H=H, n_seq=len(spans), n_chunks=n_chunks, NC=0, seq=seq, chunks=chunks,
+                       covered=covered)
+
+
+def _tiles(K: int, V: int) -> tuple[int, int]:
+    """(BK, BV): the whole key axis, value tiles of up to 64."""
+    return max(16, triton.next_power_of_2(K)), min(64, max(16, triton.next_power_of_2(V)))
+
+
+def chunk_cumsum(g, gk, A_log, dt_bias, lay: ChunkLayout) -> torch.Tensor:
+    """Stage 0, per-key decay: gc [N, L, H, K] float64, the log decay gk (the raw-gate arm applied
+    with A_log [H] / dt_bias [H, K]; + g [N, L, H] when given) clamped at LOG_DECAY_FLOOR and
+    summed from each chunk's start. Rows outside every span are not written."""
+    gc = torch.empty(gk.shape, dtype=torch.float64, device=gk.device)
+    if lay.n_chunks == 0:
+        return gc
+    K = gk.shape[3]
+    _cumsum_kernel[lay.chunk_grid](
+        g=g, gk=gk, A=A_log, dtb=dt_bias, gc=gc, seq=lay.seq, chunks=lay.chunks, L=lay.L, NC=lay.NC, H=lay.H, K=K,
+        VARLEN=lay.varlen, HAS_G=g is not None, RAW=A_log is not None, BT=lay.BT, BK=_tiles(K, 1)[0])
+    return gc
+
+
+def chunk_intra(k, v, g, A_log, dt_bias, gc, b, w, lay: ChunkLayout, *, beta_sigmoid: bool = False,
+                l2norm_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1, the delta rules: per chunk A = strict_lower((b ⊙ k) Γ k^T), T = (I + A)^-1 and
+    (Ũ [N, L, H, V], Y [N, L, H, K]) = (T (w ⊙ v), T (exp(G) ⊙ b ⊙ k)), float32. k [N, L, Hk, K],
+    v [N, L, H, V], g [N, L, H] (scalar decay) or gc (`chunk_cumsum`: per key), b [N, L, H] or
+    [N, L, H, K], w [N, L, H] or [N, L, H, V] (their sigmoid with `beta_sigmoid`); k rows
+    L2-normalised with `l2norm_eps`."""
+    N, L, H, V = v.shape
+    Hk, K = k.shape[2], k.shape[3]
+    u = torch.empty(N, L, H, V, dtype=torch.float32, device=v.device)
+    y = torch.empty(N, L, H, K, dtype=torch.float32, device=v.device)
+    if lay.n_chunks == 0:
+        return u, y
+    BK, BV = _tiles(K, V)
+    flags = gate_flags(g, gc, b, w, A_log)
+    _intra_kernel[lay.chunk_grid](
+        k=k, v=v, g=g, A=A_log, dtb=dt_bias, gc=gc, b=b, w=w, u=u, y=y, seq=lay.seq, chunks=lay.chunks,
+        eps=float(l2norm_eps or 0.0), L=L, NC=lay.NC, H=H, Hk=Hk, K=K, V=V,
+        VARLEN=lay.varlen, HAS_DECAY=flags["HAS_G"] or flags["HAS_GK"], DECAY_PER_KEY=flags["HAS_GK"],
+        RAW=flags["RAW"], ERASE_PER_KEY=flags["ERASE_PER_KEY"], WRITE_PER_VALUE=flags["WRITE_PER_VALUE"],
+        SIGMOID=beta_sigmoid, L2NORM=l2norm_eps is not None, DT=dot_dtype(k),
+        BT=lay.BT, BC=lay.BC, LEVELS=(lay.BT // lay.BC).bit_length() - 1, BK=BK, BV=BV)
+    return u, y
+
+
+def chunk_state(k, u, y, g, A_log, dt_bias, gc, S0, S, lay: ChunkLayout, *, l2norm_eps: float | None = None,
+                state_indices=None, state_layout: str = "kv") -> torch.Tensor:
+    """Stage 2, chunk to chunk: returns h [n_chunks, H, K, V] float32, the state entering each
+    chunk (global chunk order); with y (the delta rules) rewrites u from Ũ to U = Ũ - Y S in
+    place (without, u is v itself and only read); writes each sequence's final state into S.
+    S0 None (zeros) or [*, H, K, V] ("kv") / [*, H, V, K] ("vk"), any strides, read at row
+    state_indices[n] (or n; negative: padding, neither read nor written); S likewise written
+    (it may be S0 itself: each tile is read before the same program writes it). Decays as
+    `chunk_intra`'s."""
+    H, V = u.shape[2], u.shape[3]
+    Hk, K = k.shape[2], k.shape[3]
+    h = torch.empty(max(lay.n_chunks, 1), H, K, V, dtype=torch.float32, device=u.device)
+    if lay.n_seq * H == 0:
+        return h
+    idx = None if state_indices is None else state_indices.to(device=u.device, dtype=torch.int64).contiguous()
+    BK, BV = _tiles(K, V)
+    s0_n, s0_h, s0_k, s0_v = state_strides(S0, state_layout)
+    s_n, s_h, s_k, s_v = state_strides(S, state_layout)
+    _state_kernel[(triton.cdiv(V, BV), lay.n_seq * H)](
+        k=k, u=u, y=y, g=g, A=A_log, dtb=dt_bias, gc=gc, S0=S0, S=S, h=h, idx=idx, seq=lay.seq,
+        eps=float(l2norm_eps or 0.0), L=lay.L, NC=lay.NC, H=H, Hk=Hk, K=K, V=V,
+        s0_n=s0_n, s0_h=s0_h, s0_k=s0_k, s0_v=s0_v, s_n=s_n, s_h=s_h, s_k=s_k, s_v=s_v,
+        VARLEN=lay.varlen, HAS_DECAY=g is not None or gc is not None, DECAY_PER_KEY=gc is not None,
+        RAW=A_log is not None, HAS_ERASE=y is not None, L2NORM=l2norm_eps is not None,
+        HAS_INIT=S0 is not None, HAS_INDEX=idx is not None, DT=dot_dtype(k), BT=lay.BT, BK=BK, BV=BV)
+    return h
+
+
+def chunk_output(q, k, u, g, A_log, dt_bias, gc, h, lay: ChunkLayout, *, scale: float,
+                 l2norm_eps: float | None = None) -> torch.Tensor:
+    """Stage 3: o [N, L, H, G, V] float32, O = scale [(Q ⊙ exp(G)) h + M U] per chunk with
+    M = lower(Q Γ K^T); q [N, L, Hq, G, K], u the U of `chunk_state` (or v without retrieval),
+    h its states; rows outside every span are zero. Decays as `chunk_intra`'s."""
+    N, L, H, V = u.shape
+    Hq, G, K = q.shape[2], q.shape[3], q.shape[4]
+    o = (torch.empty if lay.covered else torch.zeros)(N, L, H, G, V, dtype=torch.float32, device=u.device)
+    if lay.n_chunks == 0 or lay.n_seq * H == 0:
+        return o
+    BK, BV = _tiles(K, V)
+    grid_c, grid_h = lay.chunk_grid
+    _output_kernel[(grid_c, triton.cdiv(V, BV), grid_h)](
+        q=q, k=k, u=u, g=g, A=A_log, dtb=dt_bias, gc=gc, h=h, o=o, seq=lay.seq, chunks=lay.chunks,
+        scale=float(scale), eps=float(l2norm_eps or 0.0), L=L, NC=lay.NC, H=H, Hq=Hq, Hk=k.shape[2], K=K, V=V,
+        G=G, VARLEN=lay.varlen, HAS_DECAY=g is not None or gc is not None, DECAY_PER_KEY=gc is not None,
+        RAW=A_log is not None, L2NORM=l2norm_eps is not None, DT=dot_dtype(k),
+        BT=lay.BT, BC=lay.BC, BK=BK, BV=BV)
+    return o
+
+
 def chunked(q, k, v, g, gk, b, w, S0, scale: float, S=None, *, A_log=None, dt_bias=None,
             beta_sigmoid: bool = False, l2norm_eps: float | None = None,
             state_indices=None, state_layout: str = "kv", spans=None):
-    """Chunked prefill; returns (o, S), o float32.
+    """Chunked prefill, the stages in turn; returns (o, S), o float32.
 
     q [N, L, Hq, G, K], k [N, L, Hk, K], v [N, L, H, V] (Hq, Hk divide H);
     g None or [N, L, H], gk None or [N, L, H, K] (log decays, summed when
@@ -494,73 +636,23 @@ def chunked(q, k, v, g, gk, b, w, S0, scale: float, S=None, *, A_log=None, dt_bi
         raise ValueError("triton chunked: g [N,L,H], gk [N,L,H,K] (one of them with A_log); b, w both "
                          "scalar [N,L,H] or erase [N,L,H,K] with write [N,L,H,V]")
     N, L, H, V = v.shape
-    Hq, G, K = q.shape[2], q.shape[3], q.shape[4]
-    Hk = k.shape[2]
+    K = k.shape[3]
     contig = lambda x: None if x is None else x.contiguous()  # noqa: E731
     q, k, v, g, gk, b, w, A_log, dt_bias = map(contig, (q, k, v, g, gk, b, w, A_log, dt_bias))
-    BT, BC = CHUNK, SUB
-    varlen = spans is not None
-    if varlen:
-        seq, chunk_list, n_chunks = spans_tensors(spans, BT, v.device)
-        n_seq = len(spans)
-        covered = sum(length for _, length in spans) == N * L
-        o = (torch.empty if covered else torch.zeros)(N, L, H, G, V, dtype=torch.float32, device=v.device)
-        NC = 0                                   # unused: every chunk program reads its coordinates
-        grid_c, grid_h = n_chunks, H
-    else:
-        seq = chunk_list = None
-        n_seq = N
-        o = torch.empty(N, L, H, G, V, dtype=torch.float32, device=v.device)
-        NC = triton.cdiv(L, BT)
-        n_chunks = N * NC
-        grid_c, grid_h = NC, N * H
+    lay = chunk_layout(N, L, H, spans, v.device)
     if S is None:
-        S = new_state(S0, state_indices, n_seq, H, K, V, state_layout, v.device)
-    if n_seq * H == 0:
-        return o, S
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(64, max(16, triton.next_power_of_2(V)))
-    NV = triton.cdiv(V, BV)
-    eps = float(l2norm_eps or 0.0)
-    flags = gate_flags(g, gk, b, w, A_log)
-    decay = dict(HAS_DECAY=flags["HAS_G"] or flags["HAS_GK"], DECAY_PER_KEY=flags["HAS_GK"], RAW=flags["RAW"])
-    l2norm = l2norm_eps is not None
-    DT = dot_dtype(k)                  # 16-bit inputs: products on bfloat16 tensor cores
-    has_erase = flags["HAS_ERASE"] and n_chunks > 0
-    gc = None
-    if gk is not None:                # allocated even without chunks: the state kernel takes a pointer
-        gc = torch.empty(gk.shape, dtype=torch.float64, device=v.device)
-    if gk is not None and n_chunks > 0:
-        _cumsum_kernel[(grid_c, grid_h)](g, gk, A_log, dt_bias, gc, seq, chunk_list, L, NC, H, K,
-                                         VARLEN=varlen, HAS_G=flags["HAS_G"], RAW=flags["RAW"], BT=BT, BK=BK)
+        S = new_state(S0, state_indices, lay.n_seq, H, K, V, state_layout, v.device)
+    if lay.n_seq * H == 0:
+        return (torch.empty if lay.covered else torch.zeros)(N, L, H, q.shape[3], V, dtype=torch.float32,
+                                                             device=v.device), S
+    # per-key decay: G from its own stage (allocated even without chunks: the state kernel takes a pointer)
+    gc = None if gk is None else chunk_cumsum(g, gk, A_log, dt_bias, lay)
+    g_scalar = None if gk is not None else g          # with gk, g is summed into gc
     u, y = v, None
-    if has_erase:
-        u = torch.empty(N, L, H, V, dtype=torch.float32, device=v.device)
-        y = torch.empty(N, L, H, K, dtype=torch.float32, device=v.device)
-        _intra_kernel[(grid_c, grid_h)](
-            k, v, g, A_log, dt_bias, gc, b, w, u, y, seq, chunk_list,
-            eps, L, NC, H, Hk, K, V,
-            VARLEN=varlen, **decay, ERASE_PER_KEY=flags["ERASE_PER_KEY"], WRITE_PER_VALUE=flags["WRITE_PER_VALUE"],
-            SIGMOID=beta_sigmoid, L2NORM=l2norm, DT=DT,
-            BT=BT, BC=BC, LEVELS=(BT // BC).bit_length() - 1, BK=BK, BV=BV,
-        )
-    h = torch.empty(max(n_chunks, 1), H, K, V, dtype=torch.float32, device=v.device)
-    idx = None
-    if state_indices is not None:
-        idx = state_indices.to(device=v.device, dtype=torch.int64).contiguous()
-    _state_kernel[(NV, n_seq * H)](
-        k, u, y, g, A_log, dt_bias, gc, S0, S, h, idx, seq,
-        eps, L, NC, H, Hk, K, V,
-        *state_strides(S0, state_layout), *state_strides(S, state_layout),
-        VARLEN=varlen, **decay, HAS_ERASE=has_erase, L2NORM=l2norm,
-        HAS_INIT=S0 is not None, HAS_INDEX=idx is not None, DT=DT,
-        BT=BT, BK=BK, BV=BV,
-    )
-    if n_chunks > 0:
-        _output_kernel[(grid_c, NV, grid_h)](
-            q, k, u, g, A_log, dt_bias, gc, h, o, seq, chunk_list,
-            float(scale), eps, L, NC, H, Hq, Hk, K, V,
-            G=G, VARLEN=varlen, **decay, L2NORM=l2norm, DT=DT,
-            BT=BT, BC=BC, BK=BK, BV=BV,
-        )
+    if b is not None and lay.n_chunks > 0:
+        u, y = chunk_intra(k, v, g_scalar, A_log, dt_bias, gc, b, w, lay, beta_sigmoid=beta_sigmoid,
+                           l2norm_eps=l2norm_eps)
+    h = chunk_state(k, u, y, g_scalar, A_log, dt_bias, gc, S0, S, lay, l2norm_eps=l2norm_eps,
+                    state_indices=state_indices, state_layout=state_layout)
+    o = chunk_output(q, k, u, g_scalar, A_log, dt_bias, gc, h, lay, scale=scale, l2norm_eps=l2norm_eps)
     return o, S
