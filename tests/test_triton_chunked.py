@@ -366,14 +366,15 @@ STAGE_LAYOUTS = {"packed": (2, 65, None), "spans": (1, 150, [(0, 0), (0, 63), (6
 
 def stage_inputs(layout: str, decay: str, update: str, seed: int = 0) -> dict:
     """Operands of the stages in the backend's token-major layout: H = 4 state heads, 2 key heads,
-    2 query heads of G = 1, K = 20, V = 24; decay "none" | "g" | "gk" | "g+gk" | "raw-g" |
-    "raw-gk"; update "beta" | "erase_write" | "none"."""
+    2 query heads of G = 2 rows each, K = 20 (a masked key tile), V = 72 (two value tiles, the
+    second partial); decay "none" | "g" | "gk" | "g+gk" | "raw-g" | "raw-gk"; update "beta" |
+    "erase_write" | "none"."""
     gen = torch.Generator().manual_seed(seed)
     N, L, spans = STAGE_LAYOUTS[layout]
-    H, Hk, Hq, K, V = 4, 2, 2, 20, 24
+    H, Hk, Hq, G, K, V = 4, 2, 2, 2, 20, 72
     rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
     uni = lambda *s: torch.rand(*s, generator=gen).to(DEVICE)  # noqa: E731
-    x = dict(q=rnd(N, L, Hq, 1, K), k=torch.nn.functional.normalize(rnd(N, L, Hk, K), dim=-1), v=rnd(N, L, H, V),
+    x = dict(q=rnd(N, L, Hq, G, K), k=torch.nn.functional.normalize(rnd(N, L, Hk, K), dim=-1), v=rnd(N, L, H, V),
              g=None, gk=None, A_log=None, dt_bias=None, b=None, w=None)
     raw = decay.startswith("raw-")
     if "gk" in decay:
@@ -456,6 +457,30 @@ def test_stage_state_matches_its_twin(layout, decay, update):
     assert rel(h[:lay.n_chunks], want_h[:lay.n_chunks]) < STAGE_TOL
     assert rel(S, want_S) < STAGE_TOL
     assert rel(in_spans(u_stage, lay), in_spans(want_u, lay)) < STAGE_TOL
+
+
+def test_stage_state_reads_and_writes_slab_rows_in_place():
+    """The state stage's addressing: a V-major ("vk") slab read at state_indices and updated in
+    place (S = S0), a padding sequence (index -1: starts from zeros, no row touched), slab rows
+    no sequence names (untouched)."""
+    x, lay = stage_inputs("spans", "gk", "beta")
+    gc, g = twin_gc(x, lay)
+    u, y = (t.float() for t in chunked_ref.chunk_intra_ref(x["k"], x["v"], g, x["A_log"], x["dt_bias"], gc,
+                                                          x["b"], x["w"], lay))
+    H, K, V = x["v"].shape[2], x["k"].shape[3], x["v"].shape[3]
+    slab = torch.randn(lay.n_seq + 2, H, V, K, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    idx = torch.tensor([3, -1, 0, 5, 1], device=DEVICE)        # rows 2, 4 and 6 are no sequence's
+    S0 = torch.where((idx >= 0)[:, None, None, None], slab[idx.clamp_min(0)].transpose(-1, -2), 0.0)
+    want_h, want_u, want_S = chunked_ref.chunk_state_ref(x["k"], u, y, g, x["A_log"], x["dt_bias"], gc, S0, lay)
+    before = slab.clone()
+    h = triton_chunked.chunk_state(x["k"], u, y, g, x["A_log"], x["dt_bias"], gc, slab, slab, lay,
+                                   state_indices=idx, state_layout="vk")
+    assert rel(h[:lay.n_chunks], want_h[:lay.n_chunks]) < STAGE_TOL
+    assert rel(in_spans(u, lay), in_spans(want_u, lay)) < STAGE_TOL           # u rewritten in place as U
+    live = idx >= 0
+    assert rel(slab[idx[live]].transpose(-1, -2), want_S[live]) < STAGE_TOL
+    untouched = torch.tensor([2, 4, 6], device=DEVICE)
+    assert torch.equal(slab[untouched], before[untouched])
 
 
 OUTPUT_FORMS = [("packed", "none", "none"), ("packed", "g", "beta"), ("packed", "gk", "beta"),
