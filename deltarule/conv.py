@@ -437,3 +437,72 @@ def reference_conv1d_slab(x, weight, bias, conv_state, *, lengths, read_rows, wr
                 state[write_rows[n], :W - 1] = seq[-(W - 1):] if W > 1 else seq[:0]
         start += L
     return out, state
+
+
+def causal_conv1d_with_state(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                             state: torch.Tensor | None = None, *, activation: str | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The short causal convolution of one call with a dense state: ONNX's ``CausalConvWithState``
+    (opset 27), and what `deltarule.export` turns a model's convolution into.
+
+    Args:
+        x: [B, C, T] float32 / bfloat16 / float16, the input, channels first.
+        weight: [C, W] (or ONNX's [C, 1, W]), x's dtype: one kernel of width W per channel.
+        bias: [C] or None (default).
+        state: [B, C, W - 1], x's dtype: the W - 1 inputs before x's first token (oldest first);
+            None (default): zeros. Not modified.
+        activation: None (default) or "silu".
+
+    Returns:
+        (y [B, C, T] in x's dtype, new_state [B, C, W - 1]: the last W - 1 inputs of
+        (state, x)). The arithmetic is float32.
+
+    Traced (`torch.compile`, `torch.export`) the call is one op, ``deltarule::causal_conv1d_with_state``.
+
+    Example::
+
+        >>> x = torch.arange(6.).reshape(1, 1, 6)
+        >>> y, s = causal_conv1d_with_state(x, torch.ones(1, 3), state=torch.full((1, 1, 2), 10.))
+        >>> y.tolist(), s.tolist()
+        ([[[20.0, 11.0, 3.0, 6.0, 9.0, 12.0]]], [[[4.0, 5.0]]])
+    """
+    _check_with_state(x, weight, bias, state, activation)
+    if weight.dim() == 3:
+        weight = weight.squeeze(1)
+    if torch.compiler.is_compiling():
+        from . import library
+        return library.conv1d_with_state(x, weight, bias, state, activation)
+    return conv1d_with_state(x, weight, bias, state, activation)
+
+
+def conv1d_with_state(x, weight, bias, state, activation):
+    """`causal_conv1d_with_state` on checked arguments (weight [C, W]): torch's grouped conv1d
+    over (state, x) in float32."""
+    B, C, T = x.shape
+    W = weight.shape[-1]
+    prior = x.new_zeros(B, C, W - 1) if state is None else state
+    full = torch.cat((prior.to(x.dtype), x), dim=-1)
+    y = F.conv1d(full.float(), weight.float().unsqueeze(1), None if bias is None else bias.float(), groups=C)
+    if activation == "silu":
+        y = F.silu(y)
+    return y.to(x.dtype), full[..., full.shape[-1] - (W - 1):].to(prior.dtype).clone()
+
+
+def _check_with_state(x, weight, bias, state, activation):
+    if activation not in ACTIVATIONS:
+        raise ContractError("activation", " | ".join(repr(a) for a in ACTIVATIONS), repr(activation))
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.dtype not in _INPUT_TYPES:
+        raise ContractError("x", "a [B, C, T] float32 / bfloat16 / float16 tensor",
+                            f"shape {list(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__)
+    B, C = x.shape[0], x.shape[1]
+    if not isinstance(weight, torch.Tensor) or weight.dim() not in (2, 3) or weight.shape[0] != C \
+            or (weight.dim() == 3 and weight.shape[1] != 1) or weight.shape[-1] < 1:
+        raise ContractError("weight", f"[C, W] or [C, 1, W] with C = {C}",
+                            list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__)
+    W = weight.shape[-1]
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (C,)):
+        raise ContractError("bias", f"[C] = [{C}] or None",
+                            list(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__)
+    if state is not None and (not isinstance(state, torch.Tensor) or tuple(state.shape) != (B, C, W - 1)):
+        raise ContractError("state", f"[B, C, W - 1] = [{B}, {C}, {W - 1}] or None",
+                            list(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__)

@@ -12,6 +12,9 @@ runs without a graph break, `fullgraph=True` included, and an exported program h
   kernel, as eager code does (no private dispatcher API: the implementation of an op runs
   below autograd, where `torch.autograd.grad` would see no graph, but torch.func's
   transforms work there).
+- ``deltarule::causal_conv1d_with_state``: the short convolution with a dense state
+  (`deltarule.conv.causal_conv1d_with_state`), so an exported model holds the conv as one op
+  (ONNX's ``CausalConvWithState``; `deltarule.export`).
 - ``deltarule::linear_attention_slab``: a slab call (``state_indices``, or a plan with slab
   rows); updates ``initial_state`` in place (declared mutated) and returns ``o``. Preceded by
   ``deltarule::check_slab`` (no outputs, kept by dead-code elimination): the aliasing rule on the
@@ -57,9 +60,13 @@ _DIFFERENTIABLE = tuple(_OP_NAMES.index(n) for n in arguments.OPERANDS)
 _SLAB_CHECKED = tuple(n for n in arguments.OPERANDS if n != "initial_state")
 
 _LIB = torch.library.Library("deltarule", "DEF")
-_LIB.define(f"linear_attention({arguments.op_schema(slab=False)}, int num_states) -> (Tensor, Tensor)")
+# num_states is a SymInt: an int would pin the batch size when the call is exported (torch.export
+# specializes a symbolic batch it meets as an int argument)
+_LIB.define(f"linear_attention({arguments.op_schema(slab=False)}, SymInt num_states) -> (Tensor, Tensor)")
 _LIB.define(f"linear_attention_slab({arguments.op_schema(slab=True)}) -> Tensor")
 _LIB.define(f"linear_attention_backward(Tensor do, Tensor dstate, {arguments.op_schema(slab=False)}) -> Tensor[]")
+_LIB.define("causal_conv1d_with_state(Tensor x, Tensor weight, Tensor? bias, Tensor? state, str? activation) "
+            "-> (Tensor, Tensor)")
 _LIB.define(f"check_slab(Tensor initial_state, {', '.join(f'Tensor? {n}' for n in _SLAB_CHECKED)}) -> ()")
 _ops = torch.ops.deltarule
 
@@ -158,7 +165,23 @@ def _backward(ctx, do, dstate):
     return tuple(result)
 
 
+def _conv_with_state(x, weight, bias, state, activation):
+    from .conv import conv1d_with_state
+    return conv1d_with_state(x, weight, bias, state, activation)
+
+
+def conv1d_with_state(x, weight, bias, state, activation):
+    """`deltarule.conv.causal_conv1d_with_state` (checked arguments, weight [C, W]) as its op."""
+    return _ops.causal_conv1d_with_state.default(x, weight, bias, state, activation)
+
+
+def _conv_with_state_fake(x, weight, bias, state, activation):
+    B, C = x.shape[0], x.shape[1]
+    return torch.empty_like(x), x.new_empty(B, C, weight.shape[-1] - 1)
+
+
 for _name, _impl, _fake in (("linear_attention", _linear_attention, _linear_attention_fake),
+                            ("causal_conv1d_with_state", _conv_with_state, _conv_with_state_fake),
                             ("linear_attention_slab", _linear_attention_slab, _linear_attention_slab_fake),
                             ("linear_attention_backward", _backward_op, _backward_op_fake),
                             ("check_slab", _check_slab, lambda *args: None)):

@@ -1,0 +1,14 @@
+"""Whole models out of Python: a transformers hybrid checkpoint as an ONNX decoder whose
+linear-attention layers are fused nodes (docs/export.md).
+
+- `onnx(model_dir, out_dir, *, target="ort", dtype="float32")` -> `Exported`; also
+  ``deltarule export onnx MODEL_DIR OUT_DIR``.
+- `decoder`: the traced function of plain tensors and its `StateLayout` (the names).
+- `translate`: deltarule's ops as ONNX nodes; `graph`: the target's final form and checks.
+
+Needs ``onnx``, ``onnxscript`` (torch.onnx's exporter) and transformers >= 5.25.
+"""
+
+from .exporter import Exported, onnx
+
+__all__ = ["onnx", "Exported"]

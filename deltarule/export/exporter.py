@@ -1,0 +1,220 @@
+"""`deltarule.export.onnx`: a transformers hybrid checkpoint to an ONNX decoder with fused
+linear-attention nodes (docs/export.md).
+
+Route: transformers' model on deltarule (`integrations.transformers.enable`), wrapped as a
+function of plain tensors (`decoder.Decoder`), traced by `torch.export` (every
+linear-attention call is one ``deltarule::linear_attention`` op, every short convolution one
+``deltarule::causal_conv1d_with_state``), converted by `torch.onnx` with deltarule's
+translations (`translate`), and made final for the target (`graph`). Every modeling detail
+(norms, rotary forms, gated attention, MoE routing, masks) comes from transformers itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ContractError, Unsupported
+from . import graph, translate
+from .decoder import MROPE, Decoder, StateLayout, state_layout, text_config
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+# files copied from the checkpoint beside the model (those present)
+COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+          "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+          "chat_template.json", "added_tokens.json", "preprocessor_config.json")
+# torch.export's trace sizes (seq and past >= 2: 0 and 1 would be specialized; the graph is
+# valid for every size, T = 1 and past 0 included: tests run them)
+_TRACE = dict(batch=2, seq=3, past=2)
+_NAMESPACES = ("aten", "prims", "deltarule")
+
+
+@dataclass
+class Exported:
+    """What `onnx` wrote: the model file, its target, inputs and outputs in order, the state
+    layout, and the count of its (domain, op) nodes."""
+
+    directory: str
+    path: str
+    target: str
+    inputs: list[str]
+    outputs: list[str]
+    layout: StateLayout
+    ops: dict = field(repr=False)
+
+
+def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "float32") -> Exported:
+    """Export the transformers causal LM checkpoint in `model_dir` to `out_dir` as ONNX.
+
+    Args:
+        model_dir: a local checkpoint folder (``config.json`` and weights) of a hybrid family
+            transformers ships (Qwen3-Next, Qwen3.5 dense / MoE, Kimi Linear, OLMo-Hybrid).
+        out_dir: created if absent; receives ``onnx/model.onnx`` (and ``model.onnx_data``
+            when the weights pass 2 GB), the checkpoint's config, generation config and
+            tokenizer files, and ``genai_config.json``.
+        target: ``"ort"`` (default): ONNX Runtime's ``com.microsoft.LinearAttention`` and
+            ``CausalConvWithState``; ``"onnx"``: the standard ops of opset 27.
+        dtype: ``"float32"`` (default) or ``"float16"``: the weights and activations (the
+            recurrent state stays float32).
+
+    Returns:
+        `Exported`. The decoder's inputs and outputs are named as transformers.js names them
+        (docs/export.md): ``input_ids``, ``attention_mask``, ``position_ids`` and the past
+        state in, ``logits`` and the present state out.
+
+    Raises:
+        deltarule.Unsupported: a family or call the target cannot express, naming the layer
+            and what is missing, before anything is written.
+        deltarule.ContractError: a bad argument.
+
+    Example::
+
+        >>> import tempfile, deltarule.export                       # doctest: +SKIP
+        >>> from deltarule.bench import checkpoints
+        >>> ck = checkpoints.save("qwen3_5", tempfile.mkdtemp())
+        >>> deltarule.export.onnx(ck, tempfile.mkdtemp()).ops[("com.microsoft", "LinearAttention")]
+        1
+    """
+    if target not in graph.TARGETS:
+        raise ContractError("target", " | ".join(repr(t) for t in graph.TARGETS), repr(target))
+    if dtype not in DTYPES:
+        raise ContractError("dtype", " | ".join(repr(d) for d in DTYPES), repr(dtype))
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ContractError("model_dir", "a checkpoint folder with a config.json", model_dir)
+    model = load(model_dir, DTYPES[dtype])
+    with _on_deltarule():
+        layout = state_layout(model)
+        program = _trace(model, layout)
+        _check_calls(program)
+        inputs = ["input_ids", "attention_mask", "position_ids"] + [t.name for t in layout.tensors]
+        outputs = ["logits"] + [t.present for t in layout.tensors]
+        onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=translate.translation_table(),
+                                         input_names=inputs, output_names=outputs, optimize=True, verbose=False)
+    proto = onnx_program.model_proto
+    roles = {("input_ids", 0): "batch_size", ("input_ids", 1): "sequence_length",
+             ("attention_mask", 1): "total_sequence_length"}
+    roles.update({(t.name, 2): "past_sequence_length" for t in layout.tensors if t.kind == "key"})
+    graph.finish(proto, target, symbols=graph.symbols_of(proto, roles))
+    ops = graph.check(proto, target, linear_layers=len(layout.linear_layers), convs=len(layout.linear_layers))
+    path = _write(proto, model_dir, out_dir)
+    _write_genai_config(model, layout, out_dir)
+    return Exported(out_dir, path, target, inputs, outputs, layout, dict(ops))
+
+
+def load(model_dir: str, dtype: torch.dtype):
+    """The checkpoint as transformers' causal LM, evaluation mode, MoE experts in a traceable form."""
+    import transformers
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    text = text_config(config)
+    kinds = set(getattr(text, "layer_types", None) or ())
+    if "linear_attention" not in kinds:
+        raise Unsupported(f"{model_dir}: model_type {text.model_type!r} has no linear-attention layers "
+                          f"(layer_types {sorted(kinds) or 'absent'}); deltarule exports the hybrid families")
+    # MoE: transformers' default experts loop has data-dependent shapes torch.export refuses
+    config._experts_implementation = "batched_mm"
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=dtype)
+    return model.eval()
+
+
+class _on_deltarule:
+    """transformers' linear-attention layers on deltarule while exporting (as they were after)."""
+
+    def __enter__(self):
+        from ..integrations import transformers as integration
+        self.was = integration.enabled()
+        integration.enable(strict=False)
+
+    def __exit__(self, *exc):
+        from ..integrations import transformers as integration
+        if not self.was:
+            integration.disable()
+
+
+def example_inputs(layout: StateLayout, *, batch: int, seq: int, past: int, vocab: int, dtype=torch.float32,
+                   generator: torch.Generator | None = None):
+    """Inputs of `Decoder` (ids, mask, positions, past state; random state of a modest size)."""
+    ids = torch.randint(0, vocab, (batch, seq), generator=generator)
+    mask = torch.ones(batch, past + seq, dtype=torch.long)
+    pos = torch.arange(past, past + seq).expand(batch, seq)
+    if layout.model_type in MROPE:
+        pos = pos[None].expand(3, batch, seq)
+    state = []
+    for t in layout.tensors:
+        shape = [batch if i == 0 else (past if s is None else s) for i, s in enumerate(t.shape)]
+        x = torch.randn(*shape, generator=generator) * (0.1 if t.kind == "recurrent" else 1.0)
+        state.append(x.to(torch.float32 if t.kind == "recurrent" else dtype))
+    return ids, mask, pos.contiguous(), state
+
+
+def _trace(model, layout: StateLayout) -> torch.export.ExportedProgram:
+    vocab = text_config(model.config).vocab_size
+    ids, mask, pos, state = example_inputs(layout, **_TRACE, vocab=vocab, dtype=layout.dtype)
+    # dtype of each recurrent state: what the model keeps (float32 for every family in 5.25)
+    batch = torch.export.Dim("batch_size", min=1, max=4096)
+    seq = torch.export.Dim("sequence_length", min=2, max=1 << 20)
+    past = torch.export.Dim("past_sequence_length", min=2, max=1 << 20)
+    total = torch.export.Dim("total_sequence_length", min=4, max=1 << 21)
+    shapes = ({0: batch, 1: seq}, {0: batch, 1: total},
+              {1: batch, 2: seq} if layout.model_type in MROPE else {0: batch, 1: seq},
+              tuple({0: batch, 2: past} if t.kind in ("key", "value") else {0: batch} for t in layout.tensors))
+    with torch.no_grad():
+        return torch.export.export(Decoder(model, layout), (ids, mask, pos, *state), dynamic_shapes=shapes,
+                                   strict=False)
+
+
+def _layer(node) -> str:
+    """The module path of the layer an exported node comes from (``model.layers.0.linear_attn``)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [path for path, _ in stack.values()]
+    return paths[-1] if paths else "?"
+
+
+def _check_calls(program: torch.export.ExportedProgram) -> None:
+    """Refuse, naming the layer, a call no node of the targets expresses: a deltarule call
+    `translate.refusal` names, or an op of another library (no translation)."""
+    from ..arguments import op_names
+    names = op_names()
+    for node in program.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        namespace = node.target.namespace
+        if namespace not in _NAMESPACES:
+            raise Unsupported(f"layer {_layer(node)}: op {node.target} has no ONNX translation")
+        if node.target is torch.ops.deltarule.linear_attention.default:
+            reason = translate.refusal(dict(zip(names, node.args)))
+            if reason:
+                raise Unsupported(f"layer {_layer(node)}: {reason}")
+        elif namespace == "deltarule" and node.target is not torch.ops.deltarule.causal_conv1d_with_state.default:
+            raise Unsupported(f"layer {_layer(node)}: {node.target} (a state slab) has no ONNX node")
+
+
+def _write(proto, model_dir: str, out_dir: str) -> str:
+    import onnx as onnx_lib
+    os.makedirs(os.path.join(out_dir, "onnx"), exist_ok=True)
+    path = os.path.join(out_dir, "onnx", "model.onnx")
+    # a protobuf file holds at most 2 GB: larger weights go to one external file
+    if sum(len(t.raw_data) for t in proto.graph.initializer) > (1 << 31) - (1 << 27):
+        onnx_lib.save_model(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                            location="model.onnx_data", size_threshold=1024)
+    else:
+        onnx_lib.save_model(proto, path)
+    for name in COPIED:
+        source = os.path.join(model_dir, name)
+        if os.path.isfile(source):
+            shutil.copyfile(source, os.path.join(out_dir, name))
+    return path
+
+
+def _write_genai_config(model, layout: StateLayout, out_dir: str) -> None:
+    """genai_config.json for onnxruntime-genai (`deltarule.export.genai`)."""
+    try:
+        from . import genai
+    except ImportError:                                # written by a later step
+        return
+    config = genai.genai_config(model.config, filename="onnx/model.onnx", state_names=genai.STATE_NAMES)
+    with open(os.path.join(out_dir, "genai_config.json"), "w") as f:
+        json.dump(config, f, indent=2)

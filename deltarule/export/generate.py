@@ -1,0 +1,86 @@
+"""Run an exported decoder (`deltarule.export.onnx`) token by token, as a runtime does: the
+first step feeds zero states with a past of length 0, each later step the previous step's
+present state.
+
+    >>> session = DecoderSession("out/onnx/model.onnx")             # doctest: +SKIP
+    >>> tokens = session.greedy(prompt_ids, max_new_tokens=16)      # [B, new] int64
+
+``runner``: ``"ort"`` (default) an onnxruntime ``InferenceSession`` (CPU), ``"deltarule"``
+`deltarule.onnx.Session` (linear-attention nodes computed by deltarule), ``"reference"`` onnx's
+``ReferenceEvaluator`` (tiny models only: it is slow).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+_NUMPY = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16, onnx.TensorProto.INT64: np.int64}
+
+
+class DecoderSession:
+    """An exported decoder and the state it carries between calls."""
+
+    def __init__(self, path: str, *, runner: str = "ort", threads: int | None = None):
+        model = onnx.load(path, load_external_data=False)
+        self.inputs = [(i.name, [d.dim_value if d.HasField("dim_value") else d.dim_param
+                                 for d in i.type.tensor_type.shape.dim], _NUMPY[i.type.tensor_type.elem_type])
+                       for i in model.graph.input]
+        self.outputs = [o.name for o in model.graph.output]
+        self.mrope = next(shape for name, shape, _ in self.inputs if name == "position_ids")[0] == 3
+        if runner == "ort":
+            import onnxruntime as ort
+            options = ort.SessionOptions()
+            if threads:
+                options.intra_op_num_threads = threads
+            self.session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        elif runner == "deltarule":
+            from ..onnx import Session
+            self.session = Session(path)
+        elif runner == "reference":
+            from onnx.reference import ReferenceEvaluator
+            self.session = ReferenceEvaluator(path)
+        else:
+            raise ValueError(f"runner: 'ort' | 'deltarule' | 'reference', not {runner!r}")
+
+    def zero_state(self, batch: int) -> dict:
+        """The first step's past: zeros, past length 0 (every symbolic size but the batch)."""
+        state = {}
+        for name, shape, dtype in self.inputs:
+            if name.startswith("past"):
+                state[name] = np.zeros([batch if d == "batch_size" else (d if isinstance(d, int) else 0)
+                                        for d in shape], dtype=dtype)
+        return state
+
+    def step(self, ids: np.ndarray, mask: np.ndarray, past: dict) -> tuple[np.ndarray, dict]:
+        """One call: ids [B, T], mask [B, past + T] -> (logits [B, T, vocab], the present state
+        under the past's names)."""
+        B, T = ids.shape
+        P = mask.shape[1] - T
+        pos = np.broadcast_to(np.arange(P, P + T, dtype=np.int64), (B, T))
+        if self.mrope:
+            pos = np.broadcast_to(pos, (3, B, T))
+        feeds = {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64),
+                 "position_ids": np.ascontiguousarray(pos), **past}
+        out = dict(zip(self.outputs, self.session.run(None, feeds)))
+        present = {_past_name(name): value for name, value in out.items() if name != "logits"}
+        return out["logits"], present
+
+    def greedy(self, prompt: np.ndarray, max_new_tokens: int) -> np.ndarray:
+        """Greedy tokens after `prompt` [B, T] (no padding): [B, max_new_tokens]."""
+        B = prompt.shape[0]
+        past, ids, tokens = self.zero_state(B), prompt, []
+        mask = np.ones((B, prompt.shape[1]), dtype=np.int64)
+        for _ in range(max_new_tokens):
+            logits, past = self.step(ids, mask, past)
+            ids = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
+            tokens.append(ids)
+            mask = np.ones((B, mask.shape[1] + 1), dtype=np.int64)
+        return np.concatenate(tokens, axis=1)
+
+
+def _past_name(present: str) -> str:
+    """``present.{i}.key`` -> ``past_key_values.{i}.key``; ``present_conv.{i}`` -> ``past_conv.{i}``."""
+    if present.startswith("present_"):
+        return "past_" + present[len("present_"):]
+    return "past_key_values" + present[len("present"):]

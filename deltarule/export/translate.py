@@ -1,0 +1,180 @@
+"""What deltarule's torch ops become in ONNX (`torch.onnx`'s ``custom_translation_table``).
+
+- ``deltarule::linear_attention`` -> one ``LinearAttention`` node, packed [B, T, H * D]
+  operands with the heads unpacked around it. The L2 norm of q and k (``qk_l2norm``: x /
+  sqrt(sum(x^2) + eps), deltarule's and fla's, in float32), the sigmoid of ``beta_sigmoid``
+  and the head repeat of GVA (query and key heads repeated to the value heads, as deltarule
+  reads them) are standard ops before it; the decay is ``g`` [B, T, H] or ``gk`` reshaped
+  to [B, T, H * K] (KDA's per-key decay).
+- ``deltarule::causal_conv1d_with_state`` -> one ``CausalConvWithState`` node.
+
+Both are emitted as placeholder ops (`PLACEHOLDER_OPS` in domain `PLACEHOLDER`, schemas
+registered here: the two targets' common form), which `deltarule.export.graph` renames into the target's: ONNX's own
+(opset 27) or ONNX Runtime's ``com.microsoft``. A call these nodes cannot express (a slab,
+packed sequences, Gated DeltaNet-2's erase / write gates, a fused gate) raises
+`deltarule.Unsupported` naming the argument while the model is exported.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx.defs import OpSchema
+
+from ..errors import Unsupported
+
+PLACEHOLDER = "ai.deltarule.export"
+# the target op each placeholder becomes (names unique across domains: onnx.reference requires it)
+PLACEHOLDER_OPS = {"LinearAttention": "ExportedLinearAttention", "CausalConvWithState": "ExportedCausalConvWithState"}
+_REFUSED = {
+    "erase": "Gated DeltaNet-2's erase gate (ai.deltarule::LinearAttention)",
+    "write": "Gated DeltaNet-2's write gate (ai.deltarule::LinearAttention)",
+    "cu_seqlens": "packed sequences (cu_seqlens)", "seq_lens": "ragged sequences (seq_lens)",
+    "state_indices": "a state slab (state_indices)", "num_accepted_tokens": "speculative rows",
+    "plan_layout": "a batch plan", "A_log": "the fused gate (A_log)", "dt_bias": "the fused gate (dt_bias)",
+}
+_FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+
+
+def _schema(name, inputs, outputs, attributes, types):
+    param = OpSchema.FormalParameter
+    return OpSchema(
+        name, PLACEHOLDER, 1, inputs=[param(n, t, "", param_option=OpSchema.FormalParameterOption.Optional if opt
+                                            else OpSchema.FormalParameterOption.Single) for n, t, opt in inputs],
+        outputs=[param(n, t) for n, t in outputs],
+        type_constraints=[(t, _FLOATS, "") for t in types],
+        attributes=[OpSchema.Attribute(a, kind, "", required=False) for a, kind in attributes])
+
+
+_SCHEMAS = (
+    _schema(PLACEHOLDER_OPS["LinearAttention"],
+            [("query", "T", False), ("key", "T", False), ("value", "T", False), ("past_state", "S", True),
+             ("decay", "T", True), ("beta", "T", True)],
+            [("output", "T"), ("present_state", "S")],
+            [("q_num_heads", OpSchema.AttrType.INT), ("kv_num_heads", OpSchema.AttrType.INT),
+             ("update_rule", OpSchema.AttrType.STRING), ("scale", OpSchema.AttrType.FLOAT)], ("T", "S")),
+    _schema(PLACEHOLDER_OPS["CausalConvWithState"],
+            [("input", "T", False), ("weight", "T", False), ("bias", "T", True), ("past_state", "T", True)],
+            [("output", "T"), ("present_state", "T")], [("activation", OpSchema.AttrType.STRING)], ("T",)),
+)
+
+
+def register_schemas() -> None:
+    """Register the placeholder ops' schemas with onnx (torch.onnx's tracer needs them); idempotent."""
+    for schema in _SCHEMAS:
+        try:
+            onnx.defs.get_schema(schema.name, 1, PLACEHOLDER)
+        except onnx.defs.SchemaError:
+            onnx.defs.register_schema(schema)
+
+
+def translation_table() -> dict:
+    """torch.onnx's ``custom_translation_table`` for deltarule's ops."""
+    import torch
+    register_schemas()
+    return {torch.ops.deltarule.linear_attention.default: linear_attention,
+            torch.ops.deltarule.causal_conv1d_with_state.default: causal_conv1d_with_state}
+
+
+def refusal(call: dict) -> str | None:
+    """Why a ``deltarule::linear_attention`` call (its arguments by name) has no node, or None."""
+    for name, what in _REFUSED.items():
+        if call.get(name) is not None:
+            return f"{what} has no LinearAttention node"
+    if call.get("state_layout", "kv") != "kv":
+        return f"state_layout {call['state_layout']!r}: the LinearAttention nodes' state is [B, H, K, V] ('kv')"
+    return None
+
+
+def _ops():
+    from onnxscript import opset18 as op
+    from onnxscript.values import Opset
+    return op, Opset(PLACEHOLDER, 1)
+
+
+def _shape(x) -> list:
+    return [d if isinstance(d, int) else None for d in x.shape]
+
+
+def _ints(op, values):
+    import onnx.helper
+    return op.Constant(value=onnx.helper.make_tensor("c", onnx.TensorProto.INT64, [len(values)], values))
+
+
+def _repeat_heads(op, x, r: int):
+    """[B, T, H, D] -> packed [B, T, H * r * D], head h repeated r times in place (h * r .. h * r + r - 1)."""
+    if r == 1:
+        return op.Reshape(x, _ints(op, [0, 0, -1]))
+    x = op.Unsqueeze(x, _ints(op, [3]))
+    x = op.Expand(x, _ints(op, [1, 1, 1, r, 1]))
+    return op.Reshape(x, _ints(op, [0, 0, -1]))
+
+
+def _l2norm(op, x, eps: float):
+    """x / sqrt(sum(x^2, -1) + eps) in float32, back in x's dtype."""
+    import onnx.helper
+    dtype = int(x.dtype)
+    y = op.Cast(x, to=onnx.TensorProto.FLOAT) if dtype != onnx.TensorProto.FLOAT else x
+    s = op.ReduceSumSquare(y, _ints(op, [-1]), keepdims=1)
+    y = op.Div(y, op.Sqrt(op.Add(s, op.Constant(value=onnx.helper.make_tensor("e", onnx.TensorProto.FLOAT, [], [eps])))))
+    return op.Cast(y, to=dtype) if dtype != onnx.TensorProto.FLOAT else y
+
+
+def linear_attention(q, k, v, rule="gated_delta", g=None, gk=None, beta=None, erase=None, write=None, scale=None,
+                     initial_state=None, state_layout="kv", cu_seqlens=None, seq_lens=None, state_indices=None,
+                     num_accepted_tokens=None, plan_cu_seqlens=None, plan_seq_lens=None, plan_state_indices=None,
+                     plan_num_accepted_tokens=None, plan_layout=None, plan_device=None, qk_l2norm=False,
+                     l2norm_eps=1e-6, A_log=None, dt_bias=None, beta_sigmoid=False, chunk_size=64, backend="auto",
+                     accept_growth=False, num_states=None):
+    """``deltarule::linear_attention`` (the record's arguments, `deltarule.arguments`) as a
+    ``LinearAttention`` node: returns (o [B, T, max(Hq, Hv), V], state [B, Hv, K, V])."""
+    reason = refusal(dict(erase=erase, write=write, cu_seqlens=cu_seqlens, seq_lens=seq_lens,
+                          state_indices=state_indices, num_accepted_tokens=num_accepted_tokens,
+                          plan_layout=plan_layout, A_log=A_log, dt_bias=dt_bias, state_layout=state_layout))
+    if reason:
+        raise Unsupported(f"deltarule::linear_attention: {reason}")
+    op, ph = _ops()
+    B, T, Hq, K = _shape(q)
+    Hk, Hv, V = _shape(k)[2], _shape(v)[2], _shape(v)[3]
+    if None in (Hq, K, Hk, Hv, V):
+        raise Unsupported("deltarule::linear_attention: head counts and sizes must be static to export")
+    dtype = int(q.dtype)
+    if qk_l2norm:
+        q, k = _l2norm(op, q, l2norm_eps), _l2norm(op, k, l2norm_eps)
+    H = max(Hq, Hv)
+    # deltarule's head forms: GVA (Hq == Hk, Hv a multiple), GQA (Hk == Hv, Hq a multiple);
+    # the nodes get query and key at H / r_q and kv at H = Hv or Hq (standard: q heads a multiple of kv)
+    q_packed = _repeat_heads(op, q, Hv // Hq if Hv > Hq else 1)
+    k_packed = _repeat_heads(op, k, Hv // Hk)
+    v_packed = op.Reshape(v, _ints(op, [0, 0, -1]))
+    decay = g if g is not None else gk
+    if decay is not None and int(decay.dtype) != dtype:
+        decay = op.Cast(decay, to=dtype)
+    if gk is not None:                                     # KDA: per-key decay [B, T, H * K]
+        decay = op.Reshape(decay, _ints(op, [0, 0, -1]))
+    if beta is not None:
+        if int(beta.dtype) != dtype:
+            beta = op.Cast(beta, to=dtype)
+        if beta_sigmoid:
+            beta = op.Sigmoid(beta)
+    update_rule = {(True, True): "gated_delta", (True, False): "gated", (False, True): "delta",
+                   (False, False): "linear"}[(decay is not None and rule in ("gated", "gated_delta"),
+                                               beta is not None or rule in ("delta", "gated_delta"))]
+    if update_rule in ("delta", "gated_delta") and beta is None:
+        raise Unsupported("deltarule::linear_attention: a delta rule without beta (beta = 1) is not exported yet")
+    attributes = dict(q_num_heads=H if Hv > Hq else Hq, kv_num_heads=Hv, update_rule=update_rule)
+    if scale is not None:
+        attributes["scale"] = float(scale)
+    o, state = ph.ExportedLinearAttention(q_packed, k_packed, v_packed, initial_state,
+                                  decay if update_rule in ("gated", "gated_delta") else None,
+                                  beta if update_rule in ("delta", "gated_delta") else None, **attributes)
+    o = op.Reshape(o, op.Concat(op.Shape(v, start=0, end=2), _ints(op, [H, V]), axis=0))
+    if initial_state is None:
+        state = op.Cast(state, to=onnx.TensorProto.FLOAT)
+    return o, state
+
+
+def causal_conv1d_with_state(x, weight, bias=None, state=None, activation=None):
+    """``deltarule::causal_conv1d_with_state`` as a ``CausalConvWithState`` node: (y, new state)."""
+    op, ph = _ops()
+    w = op.Unsqueeze(weight, _ints(op, [1]))                # [C, W] -> [C, 1, W]
+    return ph.ExportedCausalConvWithState(x, w, bias, state, activation="silu" if activation == "silu" else "none")
