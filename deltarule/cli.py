@@ -1,4 +1,4 @@
-"""The `deltarule` command: check, bench, info, card export."""
+"""The `deltarule` command: check, bench, info, card export, export onnx."""
 
 from __future__ import annotations
 
@@ -28,7 +28,18 @@ def main(argv: list[str] | None = None) -> int:
                           help="a card id (com.microsoft.GatedDeltaNet, com.microsoft.LinearAttentionGate, "
                                "deltarule.LinearAttention); repeatable; default all")
 
+    p_model = sub.add_parser("export", help="a transformers hybrid checkpoint as ONNX (docs/export.md)")
+    model_sub = p_model.add_subparsers(dest="export_command", required=True)
+    p_onnx = model_sub.add_parser("onnx", help="write MODEL_DIR's decoder with fused linear-attention nodes to OUT_DIR")
+    p_onnx.add_argument("model_dir", metavar="MODEL_DIR", help="a local checkpoint folder")
+    p_onnx.add_argument("out_dir", metavar="OUT_DIR")
+    p_onnx.add_argument("--target", choices=("ort", "onnx"), default="ort",
+                        help="ort: com.microsoft ops (default); onnx: the opset-27 standard ops")
+    p_onnx.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+
     args = parser.parse_args(argv)
+    if args.command == "export":
+        return _export(args)
     if args.command == "check":
         from .check import main as check_main
         return check_main(args)
@@ -44,6 +55,21 @@ def main(argv: list[str] | None = None) -> int:
             print(folder)
         return 0
     return _info()
+
+
+def _export(args) -> int:
+    from .errors import ContractError, Unsupported
+    from .export import onnx
+    try:
+        result = onnx(args.model_dir, args.out_dir, target=args.target, dtype=args.dtype)
+    except (ContractError, Unsupported) as error:
+        print(f"deltarule export onnx: {error}", file=sys.stderr)
+        return 2
+    fused = {f"{d or 'onnx'}.{op}": n for (d, op), n in sorted(result.ops.items()) if op in
+             ("LinearAttention", "CausalConvWithState")}
+    print(f"{result.path}  ({result.layout.model_type}, target {result.target}; "
+          + ", ".join(f"{n} {op}" for op, n in fused.items()) + ")")
+    return 0
 
 
 def _info() -> int:

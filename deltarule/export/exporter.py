@@ -97,7 +97,7 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "flo
     proto = onnx_program.model_proto
     roles = {("input_ids", 0): "batch_size", ("input_ids", 1): "sequence_length",
              ("attention_mask", 1): "total_sequence_length"}
-    roles.update({(t.name, 2): "past_sequence_length" for t in layout.tensors if t.kind == "key"})
+    roles.update({(t.name, 2): "past_sequence_length" for t in layout.tensors if t.kind in ("key", "value")})
     graph.finish(proto, target, symbols=graph.symbols_of(proto, roles))
     ops = graph.check(proto, target, linear_layers=len(layout.linear_layers), convs=len(layout.linear_layers))
     path = _write(proto, model_dir, out_dir)

@@ -66,14 +66,20 @@ class DecoderSession:
         present = {_past_name(name): value for name, value in out.items() if name != "logits"}
         return out["logits"], present
 
-    def greedy(self, prompt: np.ndarray, max_new_tokens: int) -> np.ndarray:
-        """Greedy tokens after `prompt` [B, T] (no padding): [B, max_new_tokens]."""
+    def greedy(self, prompt: np.ndarray, max_new_tokens: int, *, eos_token_id: int | None = None,
+               pad_token_id: int = 0) -> np.ndarray:
+        """Greedy tokens after `prompt` [B, T] (no padding): [B, max_new_tokens]. A row that
+        produced `eos_token_id` continues with `pad_token_id` (as transformers' ``generate``)."""
         B = prompt.shape[0]
         past, ids, tokens = self.zero_state(B), prompt, []
         mask = np.ones((B, prompt.shape[1]), dtype=np.int64)
+        done = np.zeros(B, dtype=bool)
         for _ in range(max_new_tokens):
             logits, past = self.step(ids, mask, past)
-            ids = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
+            next_ids = np.where(done, pad_token_id, logits[:, -1].argmax(-1)).astype(np.int64)
+            if eos_token_id is not None:
+                done |= next_ids == eos_token_id
+            ids = next_ids[:, None]
             tokens.append(ids)
             mask = np.ones((B, mask.shape[1] + 1), dtype=np.int64)
         return np.concatenate(tokens, axis=1)

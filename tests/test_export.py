@@ -1,0 +1,290 @@
+"""`deltarule.export.onnx`: every hybrid family transformers ships, exported from a tiny random
+checkpoint, runs in onnxruntime (and through `deltarule.onnx.run`, and onnx's reference
+evaluator) with transformers' logits and greedy tokens; the graph has one fused node per
+linear layer and no token loop; what cannot be exported is refused at export time."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnxscript")
+pytest.importorskip("onnxruntime")
+transformers = pytest.importorskip("transformers")
+
+import onnx  # noqa: E402
+
+import deltarule  # noqa: E402
+import deltarule.export  # noqa: E402
+from deltarule.bench import checkpoints  # noqa: E402
+from deltarule.export.generate import DecoderSession  # noqa: E402
+from deltarule.integrations import transformers as integration  # noqa: E402
+
+from conftest import rel  # noqa: E402
+
+FAMILIES = checkpoints.FAMILIES
+LOGITS_TOL = {"float32": 5e-6, "float16": 2e-3}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("export")
+
+
+@pytest.fixture(scope="module")
+def exported(root):
+    """(family, target, dtype) -> (checkpoint folder, `Exported`), each exported once."""
+    done = {}
+
+    def get(family, target="ort", dtype="float32"):
+        if (family, target, dtype) not in done:
+            ck = checkpoints.save(family, str(root / f"ck-{family}-{dtype}"), dtype=dtype)
+            done[family, target, dtype] = ck, deltarule.export.onnx(ck, str(root / f"{family}-{target}-{dtype}"),
+                                                                   target=target, dtype=dtype)
+        return done[family, target, dtype]
+    return get
+
+
+def _model(ck, dtype=torch.float32):
+    config = transformers.AutoConfig.from_pretrained(ck)
+    config._experts_implementation = "batched_mm"
+    return transformers.AutoModelForCausalLM.from_pretrained(ck, config=config, dtype=dtype).eval()
+
+
+def _subgraphs(graph):
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            for g in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                yield from _subgraphs(g)
+
+
+# the onnx target for one Gated DeltaNet family and KDA (its graph walk is the ort target's)
+@pytest.mark.parametrize("family, target", [(f, "ort") for f in FAMILIES] + [("qwen3_5", "onnx"),
+                                                                                ("kimi_linear", "onnx")])
+def test_graph_has_one_fused_node_per_layer_and_no_token_loop(exported, family, target):
+    _, ex = exported(family, target)
+    model = onnx.load(ex.path)
+    nodes = [(n.domain, n.op_type) for g in _subgraphs(model.graph) for n in g.node]
+    assert not [n for n in nodes if n[1] in ("Scan", "Loop", "If")], "a control-flow node in the export"
+    domain = {"ort": "com.microsoft", "onnx": ""}[target]
+    linear = len(ex.layout.linear_layers)
+    assert linear >= 1
+    assert nodes.count((domain, "LinearAttention")) == linear
+    assert nodes.count((domain, "CausalConvWithState")) == linear
+    assert not [n for n in nodes if n[0].startswith("ai.deltarule")], "a placeholder op left in the graph"
+    imports = {o.domain: o.version for o in model.opset_import}
+    assert imports.get("com.microsoft" if target == "ort" else "") == (1 if target == "ort" else 27)
+    onnx.checker.check_model(model, full_check=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_names_and_dimensions_are_transformers_js(exported, family):
+    _, ex = exported(family)
+    model = onnx.load(ex.path)
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in (*model.graph.input, *model.graph.output)}
+    assert ex.inputs == [v.name for v in model.graph.input] and ex.outputs == [v.name for v in model.graph.output]
+    assert dims["input_ids"] == ["batch_size", "sequence_length"]
+    assert dims["attention_mask"] == ["batch_size", "total_sequence_length"]
+    mrope = family.startswith("qwen3_5")
+    assert dims["position_ids"] == ([3] if mrope else []) + ["batch_size", "sequence_length"]
+    assert dims["logits"][:2] == ["batch_size", "sequence_length"]
+    layer_types = ex.layout.model_type and _model_config(exported, family).layer_types
+    for i, kind in enumerate(layer_types):
+        if kind == "full_attention":
+            for part in ("key", "value"):
+                assert dims[f"past_key_values.{i}.{part}"][::2] == ["batch_size", "past_sequence_length"]
+                assert dims[f"present.{i}.{part}"][::2] == ["batch_size", "total_sequence_length"]
+        else:
+            convs = [f"past_conv.{i}.{p}" for p in ("query", "key", "value")] if family == "olmo_hybrid" \
+                else [f"past_conv.{i}"]
+            for name in convs + [f"past_recurrent.{i}"]:
+                assert dims[name][0] == "batch_size" and all(isinstance(d, int) for d in dims[name][1:]), name
+                present = "present_" + name[len("past_"):]
+                assert dims[present] == dims[name], present
+
+
+def _model_config(exported, family):
+    ck, _ = exported(family)
+    from deltarule.export.decoder import text_config
+    return text_config(transformers.AutoConfig.from_pretrained(ck))
+
+
+def _padded_prompts(vocab, lengths, seed=0):
+    """Left-padded prompts of mixed lengths: (ids [B, T], mask [B, T])."""
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    ids = torch.zeros(len(lengths), T, dtype=torch.long)
+    mask = torch.zeros(len(lengths), T, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, T - n:] = torch.randint(3, vocab, (n,), generator=g)
+        mask[b, T - n:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ort_logits_equal_transformers_on_prompts_of_mixed_lengths(exported, family):
+    """Prefill of a padded batch (from zero states, past 0), then decode steps feeding the present
+    state back: each step's logits against transformers' (its own PyTorch kernels) on the
+    whole sequence at once."""
+    ck, ex = exported(family)
+    model = _model(ck)
+    session = DecoderSession(ex.path)
+    ids, mask = _padded_prompts(256, [9, 3, 70])
+    steps = torch.randint(3, 256, (3, 4), generator=torch.Generator().manual_seed(1))
+    full_ids, full_mask = torch.cat((ids, steps), 1), torch.cat((mask, torch.ones_like(steps)), 1)
+    position_ids = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad(), integration.torch_fallback():
+        want = model(full_ids, attention_mask=full_mask, position_ids=position_ids).logits.numpy()
+    got, past = _step(session, ids, mask, position_ids[:, :ids.shape[1]], session.zero_state(3))
+    live = mask.bool().numpy()
+    assert rel(got[live], want[:, :ids.shape[1]][live]) < LOGITS_TOL["float32"]
+    for t in range(steps.shape[1]):
+        n = ids.shape[1] + t
+        got, past = _step(session, steps[:, t:t + 1], full_mask[:, :n + 1], position_ids[:, n:n + 1], past)
+        assert rel(got[:, 0], want[:, n]) < LOGITS_TOL["float32"], f"decode step {t}"
+
+
+def _step(session, ids, mask, positions, past):
+    feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "position_ids": positions.numpy(), **past}
+    if session.mrope:
+        feeds["position_ids"] = np.ascontiguousarray(np.broadcast_to(feeds["position_ids"], (3, *ids.shape)))
+    out = dict(zip(session.outputs, session.session.run(None, feeds)))
+    from deltarule.export.generate import _past_name
+    return out["logits"], {_past_name(k): v for k, v in out.items() if k != "logits"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_equal_transformers(exported, family):
+    """Greedy generation with the state fed back step by step: onnxruntime's tokens are
+    transformers' own, and those of transformers on deltarule (`enable()`)."""
+    ck, ex = exported(family)
+    model = _model(ck)
+    prompt = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(2))
+    got = DecoderSession(ex.path).greedy(prompt.numpy(), 12, eos_token_id=model.generation_config.eos_token_id)
+    for context in (integration.torch_fallback, _enabled):
+        with torch.no_grad(), context():
+            want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
+                                  do_sample=False, pad_token_id=0)[:, prompt.shape[1]:]
+        np.testing.assert_array_equal(got, want.numpy(), err_msg=context.__name__)
+
+
+@contextlib.contextmanager
+def _enabled():
+    was = integration.enabled()
+    integration.enable()
+    try:
+        yield
+    finally:
+        if not was:
+            integration.disable()
+
+
+@pytest.mark.parametrize("target", ["ort", "onnx"])
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+def test_deltarule_runner_equals_onnxruntime(exported, family, target):
+    """`deltarule.onnx.run` (the linear-attention nodes computed by deltarule) on both targets:
+    the same greedy tokens, logits to float32 rounding."""
+    _, ex = exported(family, target)
+    prompt = torch.randint(3, 256, (2, 5), generator=torch.Generator().manual_seed(3)).numpy()
+    ort_session, ours = DecoderSession(ex.path), DecoderSession(ex.path, runner="deltarule")
+    np.testing.assert_array_equal(ours.greedy(prompt, 6), ort_session.greedy(prompt, 6))
+    mask = np.ones((2, 5), np.int64)
+    a, _ = ort_session.step(prompt, mask, ort_session.zero_state(2))
+    b, _ = ours.step(prompt, mask, ours.zero_state(2))
+    assert rel(b, a) < 5e-6
+
+
+def test_onnx_target_in_the_reference_evaluator(exported):
+    """The opset-27 standard ops in onnx's own ReferenceEvaluator (tiny size: it is slow)."""
+    _, ex = exported("qwen3_5", "onnx")
+    prompt = np.array([[5, 9, 200]], dtype=np.int64)
+    reference, ort_session = DecoderSession(ex.path, runner="reference"), DecoderSession(ex.path)
+    np.testing.assert_array_equal(reference.greedy(prompt, 3), ort_session.greedy(prompt, 3))
+
+
+def test_float16_export(exported):
+    """float16 weights and activations (the recurrent state float32): logits within float16
+    rounding of transformers' float32 model, and the same greedy tokens as transformers' float16."""
+    ck, ex = exported("qwen3_5", "ort", "float16")
+    model = onnx.load(ex.path)
+    types = {v.name: v.type.tensor_type.elem_type for v in model.graph.input}
+    assert types["past_recurrent.0"] == onnx.TensorProto.FLOAT
+    assert types["past_conv.0"] == types["past_key_values.1.key"] == onnx.TensorProto.FLOAT16
+    session = DecoderSession(ex.path)
+    prompt = torch.randint(3, 256, (2, 6), generator=torch.Generator().manual_seed(4))
+    got, _ = session.step(prompt.numpy(), np.ones((2, 6), np.int64), session.zero_state(2))
+    with torch.no_grad(), integration.torch_fallback():
+        want = _model(ck, torch.float32)(prompt).logits.numpy()
+        half = _model(ck, torch.float16)
+        tokens = half.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
+                               pad_token_id=0)[:, prompt.shape[1]:]
+    assert rel(got.astype(np.float32), want) < LOGITS_TOL["float16"]
+    np.testing.assert_array_equal(session.greedy(prompt.numpy(), 12, eos_token_id=half.generation_config.eos_token_id),
+                                  tokens.numpy())
+
+
+def test_export_copies_the_checkpoint_files(exported):
+    ck, ex = exported("qwen3_5")
+    import os
+    for name in ("config.json", "generation_config.json"):
+        assert os.path.isfile(os.path.join(ck, name)) and os.path.isfile(os.path.join(ex.directory, name))
+
+
+def test_bad_arguments_and_unknown_families_are_refused_before_writing(tmp_path, exported):
+    ck, _ = exported("qwen3_5")
+    out = tmp_path / "out"
+    with pytest.raises(deltarule.ContractError, match="target"):
+        deltarule.export.onnx(ck, str(out), target="tflite")
+    with pytest.raises(deltarule.ContractError, match="dtype"):
+        deltarule.export.onnx(ck, str(out), dtype="int8")
+    with pytest.raises(deltarule.ContractError, match="model_dir"):
+        deltarule.export.onnx(str(tmp_path / "missing"), str(out))
+    llama = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1, intermediate_size=64)
+    transformers.LlamaForCausalLM(llama).save_pretrained(tmp_path / "llama")
+    with pytest.raises(deltarule.Unsupported, match="'llama' has no linear-attention layers"):
+        deltarule.export.onnx(str(tmp_path / "llama"), str(out))
+    assert not out.exists()
+
+
+class _Gdn2Layer(torch.nn.Module):
+    """A Gated DeltaNet-2 layer (erase / write gates): no LinearAttention node expresses it."""
+
+    def forward(self, q, k, v, g, erase, write):
+        o, _ = deltarule.linear_attention(q, k, v, g=g, erase=erase, write=write)
+        return o
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mixer = _Gdn2Layer()
+
+    def forward(self, *args):
+        return self.mixer(*args)
+
+
+def test_a_call_without_a_node_is_refused_naming_its_layer():
+    from deltarule.export.exporter import _check_calls
+    B, T, H, K = 1, 3, 2, 8
+    args = (torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, K), -torch.rand(B, T, H),
+            torch.rand(B, T, H, K), torch.rand(B, T, H, K))
+    program = torch.export.export(_Model(), args, strict=False)
+    with pytest.raises(deltarule.Unsupported, match=r"layer mixer: Gated DeltaNet-2's erase gate"):
+        _check_calls(program)
+
+
+def test_command_line(tmp_path, exported, capsys):
+    from deltarule.cli import main
+    ck, _ = exported("qwen3_5")
+    assert main(["export", "onnx", ck, str(tmp_path / "cli"), "--target", "onnx"]) == 0
+    out = capsys.readouterr().out
+    assert "1 onnx.LinearAttention" in out and "1 onnx.CausalConvWithState" in out
+    assert (tmp_path / "cli" / "onnx" / "model.onnx").is_file()
+    assert main(["export", "onnx", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
+    assert "model_dir" in capsys.readouterr().err
