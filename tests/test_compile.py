@@ -225,3 +225,24 @@ def test_a_slab_an_input_views_is_refused_under_every_dynamo_backend(dynamo_back
     o = fn(args["q"], args["k"], args["v"], args["g"], args["beta"], slab, plan)
     assert rel(o, 2 * torch.as_tensor(want_o)) < 1e-5 and rel(slab, want_slab) < 1e-5
     torch._dynamo.reset()
+
+
+def test_export_keeps_the_batch_dynamic():
+    """The op's ``num_states`` is a SymInt: an exported call with a dynamic batch runs at
+    other batch sizes (an int there pinned the batch to the traced one)."""
+    class Fresh(torch.nn.Module):
+        def forward(self, q, k, v, g, beta, state):
+            return deltarule.linear_attention(q, k, v, g=g, beta=beta, initial_state=state)
+
+    def inputs(B):
+        g = torch.Generator().manual_seed(B)
+        q, k, v = (torch.randn(B, 3, 2, 16, generator=g) for _ in range(3))
+        return (q, torch.nn.functional.normalize(k, dim=-1), v, -torch.rand(B, 3, 2, generator=g),
+                torch.rand(B, 3, 2, generator=g), torch.randn(B, 2, 16, 16, generator=g))
+
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(Fresh(), inputs(2), dynamic_shapes=tuple({0: batch} for _ in range(6)))
+    for B in (1, 5):
+        x = inputs(B)
+        for want, got in zip(Fresh()(*x), program.module()(*x)):
+            assert want.shape[0] == B and torch.equal(want, got)

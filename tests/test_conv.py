@@ -377,3 +377,41 @@ def test_conv_on_a_slab_of_no_rows(backend):
     want, _ = conv1d_reference(x, weight, None, slab, **layout)
     out = causal_conv1d_slab(x, weight, None, slab, plan_conv(**layout, width=2), activation=None, backend=backend)
     assert rel(out, want) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 2, 7])
+@pytest.mark.parametrize("with_state", [True, False], ids=["state", "no-state"])
+def test_conv_with_state_matches_the_slab_twin(T, dtype, with_state):
+    """`causal_conv1d_with_state` (the export's conv, ONNX's CausalConvWithState) against the
+    float64 twin of the slab conv, one slab row per batch row."""
+    from deltarule.conv import causal_conv1d_with_state, reference_conv1d_slab
+    B, C, W = 3, 20, 4
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(B, C, T, generator=g).to(dtype)
+    weight, bias = torch.randn(C, W, generator=g).to(dtype), torch.randn(C, generator=g).to(dtype)
+    state = torch.randn(B, C, W - 1, generator=g).to(dtype) if with_state else None
+    before = None if state is None else state.clone()
+    y, new = causal_conv1d_with_state(x, weight, bias, state, activation="silu")
+    slab = (state if with_state else torch.zeros(B, C, W - 1, dtype=dtype)).transpose(1, 2)      # [B, W - 1, C]
+    want, want_slab = reference_conv1d_slab(x.transpose(1, 2).reshape(B * T, C), weight, bias, slab,
+                                            lengths=[T] * B, read_rows=list(range(B)), write_rows=list(range(B)))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel(y.transpose(1, 2).reshape(B * T, C), want) < tol
+    assert torch.equal(new, want_slab.transpose(1, 2).to(dtype)), "the new state is the last W - 1 inputs"
+    assert new.dtype == dtype and y.dtype == dtype
+    if with_state:
+        assert torch.equal(state, before), "the state was modified"
+
+
+@pytest.mark.parametrize("bad, argument", [
+    (dict(x=torch.zeros(2, 5)), "x"), (dict(weight=torch.zeros(6, 4)), "weight"),
+    (dict(bias=torch.zeros(4)), "bias"), (dict(state=torch.zeros(2, 5, 4)), "state"),
+    (dict(activation="relu"), "activation")])
+def test_conv_with_state_refuses(bad, argument):
+    from deltarule.conv import causal_conv1d_with_state
+    args = dict(x=torch.zeros(2, 5, 3), weight=torch.zeros(5, 4), bias=None, state=torch.zeros(2, 5, 3))
+    activation = bad.pop("activation", None)
+    args.update(bad)
+    with pytest.raises(ContractError, match=argument):
+        causal_conv1d_with_state(**args, activation=activation)

@@ -14,6 +14,7 @@ import deltarule.contracts.fla
 import deltarule.contracts.slab
 import deltarule.conv
 import deltarule.distributed
+import deltarule.export.exporter
 import deltarule.integrations.hf_kernels
 import deltarule.integrations.transformers
 import deltarule.kernels.cpu.layout
@@ -27,6 +28,7 @@ README = ROOT / "README.md"
 
 @pytest.mark.parametrize("module", [deltarule.api, deltarule.batch, deltarule.cards, deltarule.contracts.ascend,
                                     deltarule.contracts.fla, deltarule.contracts.slab, deltarule.conv, deltarule.distributed,
+                                    deltarule.export.exporter,
                                     deltarule.integrations.hf_kernels, deltarule.integrations.transformers,
                                     deltarule.kernels.cpu.layout, deltarule.kernels.cpu.recurrent, deltarule.library, deltarule.versions],
                          ids=lambda m: m.__name__)

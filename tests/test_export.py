@@ -154,8 +154,7 @@ def _step(session, ids, mask, positions, past):
     if session.mrope:
         feeds["position_ids"] = np.ascontiguousarray(np.broadcast_to(feeds["position_ids"], (3, *ids.shape)))
     out = dict(zip(session.outputs, session.session.run(None, feeds)))
-    from deltarule.export.generate import _past_name
-    return out["logits"], {_past_name(k): v for k, v in out.items() if k != "logits"}
+    return out["logits"], {session.feedback[k]: v for k, v in out.items() if k != "logits"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

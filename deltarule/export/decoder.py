@@ -80,7 +80,7 @@ def state_layout(model) -> StateLayout:
     cache = DynamicCache(config=model.config)
     ids = torch.ones(1, 2, dtype=torch.long)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, cache=cache, use_cache=True)
     tensors, splits = [], {}
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, LinearAttentionCacheLayerMixin):
@@ -154,7 +154,7 @@ class Decoder(torch.nn.Module):
         key = "inputs_embeds" if self.embeds else "input_ids"
         with _conv_forward(self.model, states):
             out = self.model(**{key: ids}, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=cache, use_cache=True)
+                             cache=cache, use_cache=True)
         present = []
         for t in self.layout.tensors:
             layer = cache.layers[t.layer]

@@ -31,6 +31,7 @@ COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_
 # valid for every size, T = 1 and past 0 included: tests run them)
 _TRACE = dict(batch=2, seq=3, past=2)
 _NAMESPACES = ("aten", "prims", "deltarule")
+MIN_TRANSFORMERS = (5, 25)
 
 
 @dataclass
@@ -73,11 +74,12 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "flo
 
     Example::
 
-        >>> import tempfile, deltarule.export                       # doctest: +SKIP
+        >>> import tempfile
         >>> from deltarule.bench import checkpoints
-        >>> ck = checkpoints.save("qwen3_5", tempfile.mkdtemp())
-        >>> deltarule.export.onnx(ck, tempfile.mkdtemp()).ops[("com.microsoft", "LinearAttention")]
-        1
+        >>> checkpoint = checkpoints.save("qwen3_5", tempfile.mkdtemp())     # tiny, random weights
+        >>> result = onnx(checkpoint, tempfile.mkdtemp())
+        >>> result.ops[("com.microsoft", "LinearAttention")], result.inputs[:4]
+        (1, ['input_ids', 'attention_mask', 'position_ids', 'past_conv.0'])
     """
     if target not in graph.TARGETS:
         raise ContractError("target", " | ".join(repr(t) for t in graph.TARGETS), repr(target))
@@ -108,6 +110,10 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "flo
 def load(model_dir: str, dtype: torch.dtype):
     """The checkpoint as transformers' causal LM, evaluation mode, MoE experts in a traceable form."""
     import transformers
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    if (major, minor) < MIN_TRANSFORMERS:
+        raise Unsupported(f"deltarule export needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} (its "
+                          f"layers' causal_conv1d_forward and linear-attention cache), not {transformers.__version__}")
     config = transformers.AutoConfig.from_pretrained(model_dir)
     text = text_config(config)
     kinds = set(getattr(text, "layer_types", None) or ())

@@ -27,6 +27,16 @@ class DecoderSession:
                                  for d in i.type.tensor_type.shape.dim], _NUMPY[i.type.tensor_type.elem_type])
                        for i in model.graph.input]
         self.outputs = [o.name for o in model.graph.output]
+        names = {name for name, _, _ in self.inputs}
+        # present -> past: deltarule's names (present_conv.i -> past_conv.i, present.i.key ->
+        # past_key_values.i.key) and onnxruntime-genai's builder's (present.i.conv -> past.i.conv)
+        self.feedback = {}
+        for out in self.outputs[1:]:
+            rest = out[len("present"):]
+            found = [c for c in ("past" + rest, "past_key_values" + rest) if c in names]
+            if not found:
+                raise ValueError(f"{path}: output {out!r} has no past input")
+            self.feedback[out] = found[0]
         self.mrope = next(shape for name, shape, _ in self.inputs if name == "position_ids")[0] == 3
         if runner == "ort":
             import onnxruntime as ort
@@ -63,8 +73,7 @@ class DecoderSession:
         feeds = {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64),
                  "position_ids": np.ascontiguousarray(pos), **past}
         out = dict(zip(self.outputs, self.session.run(None, feeds)))
-        present = {_past_name(name): value for name, value in out.items() if name != "logits"}
-        return out["logits"], present
+        return out["logits"], {self.feedback[name]: value for name, value in out.items() if name != "logits"}
 
     def greedy(self, prompt: np.ndarray, max_new_tokens: int, *, eos_token_id: int | None = None,
                pad_token_id: int = 0) -> np.ndarray:
@@ -83,10 +92,3 @@ class DecoderSession:
             tokens.append(ids)
             mask = np.ones((B, mask.shape[1] + 1), dtype=np.int64)
         return np.concatenate(tokens, axis=1)
-
-
-def _past_name(present: str) -> str:
-    """``present.{i}.key`` -> ``past_key_values.{i}.key``; ``present_conv.{i}`` -> ``past_conv.{i}``."""
-    if present.startswith("present_"):
-        return "past_" + present[len("present_"):]
-    return "past_key_values" + present[len("present"):]
