@@ -69,6 +69,8 @@ def _export(args) -> int:
              ("LinearAttention", "CausalConvWithState")}
     print(f"{result.path}  ({result.layout.model_type}, target {result.target}; "
           + ", ".join(f"{n} {op}" for op, n in fused.items()) + ")")
+    if result.no_genai_config:
+        print(f"no genai_config.json: {result.no_genai_config}")
     return 0
 
 

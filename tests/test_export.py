@@ -287,3 +287,22 @@ def test_command_line(tmp_path, exported, capsys):
     assert (tmp_path / "cli" / "onnx" / "model.onnx").is_file()
     assert main(["export", "onnx", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
     assert "model_dir" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_genai_config_is_written_for_the_families_genai_runs(exported, family):
+    """genai_config.json beside the model for the families onnxruntime-genai 0.18 runs (the
+    tokens: tests/test_genai.py, in genai's venv), and the reason where it cannot."""
+    import json
+    import os
+    _, ex = exported(family)
+    path = os.path.join(ex.directory, "genai_config.json")
+    if family in ("olmo_hybrid", "kimi_linear"):
+        assert ex.no_genai_config and "onnxruntime-genai 0.18 cannot run" in ex.no_genai_config
+        assert not os.path.exists(path)
+    else:
+        assert ex.no_genai_config is None
+        decoder = json.load(open(path))["model"]["decoder"]
+        assert decoder["filename"] == "onnx/model.onnx"
+        assert decoder["inputs"]["past_conv_names"] % 0 in ex.inputs
+        assert decoder["outputs"]["present_recurrent_names"] % 0 in ex.outputs

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ContractError, Unsupported
-from . import graph, translate
+from . import genai, graph, translate
 from .decoder import MROPE, Decoder, StateLayout, state_layout, text_config
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -37,7 +37,8 @@ MIN_TRANSFORMERS = (5, 25)
 @dataclass
 class Exported:
     """What `onnx` wrote: the model file, its target, inputs and outputs in order, the state
-    layout, and the count of its (domain, op) nodes."""
+    layout, the count of its (domain, op) nodes, and why no genai_config.json was written
+    (None: it was)."""
 
     directory: str
     path: str
@@ -46,6 +47,7 @@ class Exported:
     outputs: list[str]
     layout: StateLayout
     ops: dict = field(repr=False)
+    no_genai_config: str | None = None     # why genai_config.json was not written
 
 
 def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "float32") -> Exported:
@@ -56,7 +58,8 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "flo
             transformers ships (Qwen3-Next, Qwen3.5 dense / MoE, Kimi Linear, OLMo-Hybrid).
         out_dir: created if absent; receives ``onnx/model.onnx`` (and ``model.onnx_data``
             when the weights pass 2 GB), the checkpoint's config, generation config and
-            tokenizer files, and ``genai_config.json``.
+            tokenizer files, and ``genai_config.json`` (for the families onnxruntime-genai
+            runs: `deltarule.export.genai`).
         target: ``"ort"`` (default): ONNX Runtime's ``com.microsoft.LinearAttention`` and
             ``CausalConvWithState``; ``"onnx"``: the standard ops of opset 27.
         dtype: ``"float32"`` (default) or ``"float16"``: the weights and activations (the
@@ -103,8 +106,8 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "flo
     graph.finish(proto, target, symbols=graph.symbols_of(proto, roles))
     ops = graph.check(proto, target, linear_layers=len(layout.linear_layers), convs=len(layout.linear_layers))
     path = _write(proto, model_dir, out_dir)
-    _write_genai_config(model, layout, out_dir)
-    return Exported(out_dir, path, target, inputs, outputs, layout, dict(ops))
+    no_genai = _write_genai_config(model, out_dir)
+    return Exported(out_dir, path, target, inputs, outputs, layout, dict(ops), no_genai)
 
 
 def load(model_dir: str, dtype: torch.dtype):
@@ -215,12 +218,13 @@ def _write(proto, model_dir: str, out_dir: str) -> str:
     return path
 
 
-def _write_genai_config(model, layout: StateLayout, out_dir: str) -> None:
-    """genai_config.json for onnxruntime-genai (`deltarule.export.genai`)."""
+def _write_genai_config(model, out_dir: str) -> str | None:
+    """genai_config.json for onnxruntime-genai (`deltarule.export.genai`); the reason it is not
+    written (a family genai cannot run), or None."""
     try:
-        from . import genai
-    except ImportError:                                # written by a later step
-        return
-    config = genai.genai_config(model.config, filename="onnx/model.onnx", state_names=genai.STATE_NAMES)
+        config = genai.genai_config(model.config, filename="onnx/model.onnx", state_names=genai.STATE_NAMES)
+    except Unsupported as reason:
+        return str(reason)
     with open(os.path.join(out_dir, "genai_config.json"), "w") as f:
         json.dump(config, f, indent=2)
+    return None

@@ -1,0 +1,57 @@
+"""onnxruntime-genai running deltarule's ONNX export (deltarule/export/genai.py): the folder
+`deltarule.export.onnx` writes (``onnx/model.onnx`` and ``genai_config.json``) generates in
+onnxruntime-genai 0.18 the greedy tokens transformers generates on the same tiny random
+checkpoint, from token ids (no tokenizer). Qwen3.5 runs as genai's ``qwen3_5_text`` (position
+ids [3, batch, sequence]), Qwen3-Next as its generic ``decoder``.
+
+Runs where ``onnxruntime_genai`` imports (a venv of its own: bash .ci/genai install / test).
+"""
+
+import pytest
+
+og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai 0.18 (a venv of its own: bash .ci/genai)")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import deltarule.export  # noqa: E402
+from deltarule.bench import checkpoints  # noqa: E402
+
+PROMPTS = ([5, 17, 99, 3, 42], [7, 200, 31, 64, 9, 128, 250, 11, 4, 77, 150, 23, 8])
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def exported(request, tmp_path_factory):
+    checkpoint = checkpoints.save(request.param, str(tmp_path_factory.mktemp(request.param)))
+    out = str(tmp_path_factory.mktemp(f"{request.param}_onnx"))
+    deltarule.export.onnx(checkpoint, out, target="ort")
+    return checkpoint, out
+
+
+def transformers_tokens(checkpoint, prompt):
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS)
+    return out[0, len(prompt):].tolist()
+
+
+def genai_tokens(folder, prompt):
+    model = og.Model(folder)
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + NEW_TOKENS)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([prompt], dtype=np.int32))
+    tokens = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    return tokens
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=lambda p: f"{len(p)}_tokens")
+def test_greedy_tokens_equal_transformers(exported, prompt):
+    checkpoint, folder = exported
+    want = transformers_tokens(checkpoint, prompt)
+    assert genai_tokens(folder, prompt) == want
