@@ -251,30 +251,67 @@ def test_bad_arguments_and_unknown_families_are_refused_before_writing(tmp_path,
     assert not out.exists()
 
 
-class _Gdn2Layer(torch.nn.Module):
-    """A Gated DeltaNet-2 layer (erase / write gates): no LinearAttention node expresses it."""
+class _Layer(torch.nn.Module):
+    """One linear-attention call of the form `forward`'s arguments give."""
 
-    def forward(self, q, k, v, g, erase, write):
-        o, _ = deltarule.linear_attention(q, k, v, g=g, erase=erase, write=write)
-        return o
+    def forward(self, q, k, v, g, erase, write, state):
+        return deltarule.linear_attention(q, k, v, g=g, erase=erase, write=write, initial_state=state)
+
+
+class _SlabLayer(torch.nn.Module):
+    def forward(self, q, k, v, g, beta, slab, rows):
+        return deltarule.linear_attention(q, k, v, g=g, beta=beta, initial_state=slab, state_indices=rows)[0]
 
 
 class _Model(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, layer):
         super().__init__()
-        self.mixer = _Gdn2Layer()
+        self.mixer = layer
 
     def forward(self, *args):
         return self.mixer(*args)
 
 
+def _gdn2_inputs(B, T, Hk=1, Hv=2, K=8, V=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(B, T, Hk, K, generator=g), torch.nn.functional.normalize(torch.randn(B, T, Hk, K, generator=g), dim=-1)
+    return (q, k, torch.randn(B, T, Hv, V, generator=g), -torch.rand(B, T, Hv, generator=g),
+            torch.rand(B, T, Hv, K, generator=g), torch.rand(B, T, Hv, V, generator=g),
+            torch.randn(B, Hv, K, V, generator=g) * 0.1)
+
+
+@pytest.mark.parametrize("target", ["ort", "onnx"])
+def test_gated_deltanet2_becomes_ai_deltarule_linear_attention_with_its_body(target):
+    """A Gated DeltaNet-2 call (erase / write gates, GVA heads) exports as one
+    ``ai.deltarule::LinearAttention`` node carrying its function body: onnxruntime runs the body
+    (standard ops), `deltarule.onnx.run` computes the node; both equal the eager call, at a
+    batch and length other than the traced ones."""
+    from deltarule.export.exporter import to_onnx
+    from deltarule.onnx import run
+    import onnxruntime as ort
+    batch, seq = torch.export.Dim("batch_size", min=1, max=64), torch.export.Dim("sequence_length", min=2, max=512)
+    shapes = tuple({0: batch, 1: seq} for _ in range(6)) + ({0: batch},)
+    program = torch.export.export(_Model(_Layer()), _gdn2_inputs(2, 5), dynamic_shapes=(shapes,), strict=False)
+    names = ["q", "k", "v", "g", "erase", "write", "state"]
+    model = to_onnx(program, target, inputs=names, outputs=["o", "final_state"],
+                    roles={("q", 0): "batch_size", ("q", 1): "sequence_length"})
+    nodes = [(n.domain, n.op_type) for n in model.graph.node]
+    assert nodes.count(("ai.deltarule", "LinearAttention")) == 1 and not [n for n in nodes if n[1] == "Scan"]
+    assert [f.domain for f in model.functions] == ["ai.deltarule"]
+    x = _gdn2_inputs(3, 7, seed=1)
+    want = deltarule.linear_attention(*x[:3], g=x[3], erase=x[4], write=x[5], initial_state=x[6])
+    feeds = dict(zip(names, (t.numpy() for t in x)))
+    for got in (ort.InferenceSession(model.SerializeToString()).run(None, feeds), run(model, feeds)):
+        assert rel(got[0], want[0]) < 1e-5 and rel(got[1], want[1]) < 1e-5
+
+
 def test_a_call_without_a_node_is_refused_naming_its_layer():
     from deltarule.export.exporter import _check_calls
-    B, T, H, K = 1, 3, 2, 8
+    B, T, H, K = 2, 1, 2, 8
     args = (torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, K), -torch.rand(B, T, H),
-            torch.rand(B, T, H, K), torch.rand(B, T, H, K))
-    program = torch.export.export(_Model(), args, strict=False)
-    with pytest.raises(deltarule.Unsupported, match=r"layer mixer: Gated DeltaNet-2's erase gate"):
+            torch.rand(B, T, H), torch.zeros(4, H, K, K), torch.tensor([3, 1]))
+    program = torch.export.export(_Model(_SlabLayer()), args, strict=False)
+    with pytest.raises(deltarule.Unsupported, match=r"layer mixer: .*a state slab"):
         _check_calls(program)
 
 

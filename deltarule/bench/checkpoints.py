@@ -42,10 +42,13 @@ _TINY_TP2 = dict(_TINY, num_key_value_heads=2, linear_num_key_heads=2, linear_nu
 SHAPES = {"tiny": _TINY, "tiny_tp2": _TINY_TP2, "qwen3_5_0_8b": _0_8B}
 
 
-def config(family: str, shape: str = "tiny"):
-    """The transformers config of `family` at `shape` (see the module docstring)."""
+def config(family: str, shape: str = "tiny", *, vocab_size: int | None = None):
+    """The transformers config of `family` at `shape` (see the module docstring); `vocab_size`
+    overrides the shape's."""
     import transformers
     base = dict(SHAPES[shape])
+    if vocab_size is not None:
+        base["vocab_size"] = vocab_size
     if family == "qwen3_next":               # at the 0.8B shape dense MLPs as Qwen3.5-0.8B has, but
         moe = _MOE                           # the last layer (vLLM's Qwen3-Next needs one MoE layer)
         if shape == "qwen3_5_0_8b":
@@ -80,18 +83,19 @@ def config(family: str, shape: str = "tiny"):
 
 
 def save(family: str, directory: str, *, shape: str = "tiny", dtype: str = "float32", seed: int = 0,
-         kimi_format: str = "moonshot") -> str:
+         kimi_format: str = "moonshot", vocab_size: int | None = None) -> str:
     """Build `family` at `shape` with random weights (seed) and save it to `directory` in `dtype`;
     an existing checkpoint there is kept. Returns `directory`. `kimi_format` (Kimi Linear only):
     "moonshot" rewrites the checkpoint into Moonshot's format (`_kimi_linear_layout`, what
-    Moonshot publishes), "transformers" keeps it as transformers wrote it."""
+    Moonshot publishes), "transformers" keeps it as transformers wrote it. `vocab_size`
+    overrides the shape's."""
     if kimi_format not in ("moonshot", "transformers"):
         raise ValueError(f"kimi_format: 'moonshot' or 'transformers', not {kimi_format!r}")
     import torch
     import transformers
     if os.path.exists(os.path.join(directory, "config.json")):
         return directory
-    cfg = config(family, shape)
+    cfg = config(family, shape, vocab_size=vocab_size)
     cfg.architectures = [_ARCH[family]]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))

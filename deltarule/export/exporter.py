@@ -32,6 +32,11 @@ COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_
 _TRACE = dict(batch=2, seq=3, past=2)
 _NAMESPACES = ("aten", "prims", "deltarule")
 MIN_TRANSFORMERS = (5, 25)
+# torch.onnx's opset for the standard ops, by dtype (the onnx target's is raised to 27 after):
+# at 23 attention is one Attention node (decode after 1024 tokens 0.98x onnxruntime-genai's model
+# where 18's MatMul / Softmax gave 0.90x: docs/performance.md); in float16 torch 2.13's exporter
+# emits at 23 an RMSNormalization of a float16 input with a float32 scale, which onnxruntime refuses
+OPSETS = {torch.float32: 23, torch.float16: 18}
 
 
 @dataclass
@@ -94,20 +99,30 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "flo
     with _on_deltarule():
         layout = state_layout(model)
         program = _trace(model, layout)
-        _check_calls(program)
         inputs = ["input_ids", "attention_mask", "position_ids"] + [t.name for t in layout.tensors]
         outputs = ["logits"] + [t.present for t in layout.tensors]
-        onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=translate.translation_table(),
-                                         input_names=inputs, output_names=outputs, optimize=True, verbose=False)
-    proto = onnx_program.model_proto
-    roles = {("input_ids", 0): "batch_size", ("input_ids", 1): "sequence_length",
-             ("attention_mask", 1): "total_sequence_length"}
-    roles.update({(t.name, 2): "past_sequence_length" for t in layout.tensors if t.kind in ("key", "value")})
-    graph.finish(proto, target, symbols=graph.symbols_of(proto, roles))
+        roles = {("input_ids", 0): "batch_size", ("input_ids", 1): "sequence_length",
+                 ("attention_mask", 1): "total_sequence_length"}
+        roles.update({(t.name, 2): "past_sequence_length" for t in layout.tensors if t.kind in ("key", "value")})
+        proto = to_onnx(program, target, inputs=inputs, outputs=outputs, roles=roles, opset=OPSETS[layout.dtype])
     ops = graph.check(proto, target, linear_layers=len(layout.linear_layers), convs=len(layout.linear_layers))
     path = _write(proto, model_dir, out_dir)
     no_genai = _write_genai_config(model, out_dir)
     return Exported(out_dir, path, target, inputs, outputs, layout, dict(ops), no_genai)
+
+
+def to_onnx(program: torch.export.ExportedProgram, target: str, *, inputs: list[str], outputs: list[str],
+            roles: dict, opset: int = 23) -> "onnx.ModelProto":
+    """An exported program holding deltarule's ops as the ONNX model of `target`
+    (`graph.TARGETS`), its inputs and outputs named `inputs` / `outputs`, the dimensions named by
+    `roles` ((input name, axis) -> a `graph.DIMENSIONS` name), torch.onnx's standard ops at `opset`. Refuses (`Unsupported`, naming
+    the layer) a call no node expresses before converting."""
+    _check_calls(program)
+    onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=translate.translation_table(),
+                                     input_names=inputs, output_names=outputs, optimize=True, verbose=False,
+                                     opset_version=opset)
+    proto = onnx_program.model_proto
+    return graph.finish(proto, target, symbols=graph.symbols_of(proto, roles))
 
 
 def load(model_dir: str, dtype: torch.dtype):

@@ -15,13 +15,17 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-_NUMPY = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16, onnx.TensorProto.INT64: np.int64}
+_NUMPY = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16, onnx.TensorProto.INT64: np.int64,
+          onnx.TensorProto.INT32: np.int32}
 
 
 class DecoderSession:
     """An exported decoder and the state it carries between calls."""
 
-    def __init__(self, path: str, *, runner: str = "ort", threads: int | None = None):
+    def __init__(self, path: str, *, runner: str = "ort", threads: int | None = None, sizes: dict | None = None):
+        """`sizes`: values of symbolic state dimensions other than the batch and the past length
+        (onnxruntime-genai's builder names the head size ``kv_cache_dim``); the others are 0."""
+        self.sizes = dict(sizes or {})
         model = onnx.load(path, load_external_data=False)
         self.inputs = [(i.name, [d.dim_value if d.HasField("dim_value") else d.dim_param
                                  for d in i.type.tensor_type.shape.dim], _NUMPY[i.type.tensor_type.elem_type])
@@ -54,12 +58,13 @@ class DecoderSession:
             raise ValueError(f"runner: 'ort' | 'deltarule' | 'reference', not {runner!r}")
 
     def zero_state(self, batch: int) -> dict:
-        """The first step's past: zeros, past length 0 (every symbolic size but the batch)."""
+        """The first step's past: zeros, past length 0 (every symbolic size but the batch and `sizes`)."""
         state = {}
         for name, shape, dtype in self.inputs:
             if name.startswith("past"):
-                state[name] = np.zeros([batch if d == "batch_size" else (d if isinstance(d, int) else 0)
-                                        for d in shape], dtype=dtype)
+                state[name] = np.zeros([batch if d == "batch_size" else (d if isinstance(d, int) else
+                                                                          self.sizes.get(d, 0)) for d in shape],
+                                       dtype=dtype)
         return state
 
     def step(self, ids: np.ndarray, mask: np.ndarray, past: dict) -> tuple[np.ndarray, dict]:
@@ -70,8 +75,9 @@ class DecoderSession:
         pos = np.broadcast_to(np.arange(P, P + T, dtype=np.int64), (B, T))
         if self.mrope:
             pos = np.broadcast_to(pos, (3, B, T))
-        feeds = {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64),
-                 "position_ids": np.ascontiguousarray(pos), **past}
+        types = {name: dtype for name, _, dtype in self.inputs}
+        feeds = {"input_ids": ids.astype(types["input_ids"]), "attention_mask": mask.astype(types["attention_mask"]),
+                 "position_ids": np.ascontiguousarray(pos, dtype=types["position_ids"]), **past}
         out = dict(zip(self.outputs, self.session.run(None, feeds)))
         return out["logits"], {self.feedback[name]: value for name, value in out.items() if name != "logits"}
 

@@ -6,9 +6,11 @@ Targets (`TARGETS`):
 
 - ``"ort"``: ONNX Runtime's ``com.microsoft.LinearAttention`` and
   ``com.microsoft.CausalConvWithState`` (CPU kernels from onnxruntime 1.32; WebGPU in
-  onnxruntime-web), default opset 18;
-- ``"onnx"``: the standard ``LinearAttention`` and ``CausalConvWithState`` of opset 27 (no
-  onnxruntime kernel yet: `deltarule.onnx.run` computes them, and onnx's ``ReferenceEvaluator``).
+  onnxruntime-web), default opset 23;
+- ``"onnx"``: the standard ``LinearAttention`` and ``CausalConvWithState`` of opset 27
+  (onnxruntime 1.32 runs them too; so do `deltarule.onnx.run` and onnx's ``ReferenceEvaluator``).
+
+Gated DeltaNet-2 layers become ``ai.deltarule::LinearAttention`` on both, with its function body.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from collections import Counter
 import onnx
 
 from ..errors import Unsupported
-from .translate import PLACEHOLDER, PLACEHOLDER_OPS
+from ..onnx import ops as deltarule_ops
+from .translate import PLACEHOLDER, PLACEHOLDERS
 
 TARGETS = {"ort": ("com.microsoft", 1), "onnx": ("", 27)}
 # the dimension names: transformers.js resolves `batch_size` (every other symbol of a past input to 0)
@@ -28,13 +31,14 @@ _LOOPS = ("Scan", "Loop")
 
 
 def finish(model: onnx.ModelProto, target: str, *, symbols: dict) -> onnx.ModelProto:
-    """`model` (torch.onnx's, with placeholders) for `target`, in place; `symbols` maps torch's
-    symbol names (``s10``) to `DIMENSIONS`' names."""
+    """`model` (torch.onnx's, with placeholders) for `target`; `symbols` maps torch's symbol
+    names (``s10``) to `DIMENSIONS`' names. In place, except where Gated DeltaNet-2 nodes get
+    their function bodies (`deltarule.onnx.ops.attach_functions`: a copy)."""
     domain, version = TARGETS[target]
     for node in model.graph.node:
         if node.domain == PLACEHOLDER:
-            node.domain = domain
-            node.op_type = next(name for name, placeholder in PLACEHOLDER_OPS.items() if placeholder == node.op_type)
+            fixed, node.op_type = PLACEHOLDERS[node.op_type]
+            node.domain = domain if fixed is None else fixed
     imports = [o for o in model.opset_import if o.domain not in (PLACEHOLDER, domain)]
     if domain == "":
         base = next(o for o in model.opset_import if o.domain in ("", "ai.onnx"))
@@ -43,6 +47,8 @@ def finish(model: onnx.ModelProto, target: str, *, symbols: dict) -> onnx.ModelP
     model.opset_import.extend(imports)
     model.opset_import.append(onnx.helper.make_opsetid(domain, version))
     _name_dimensions(model, symbols)
+    if any(deltarule_ops.is_deltarule_node(node) for node in model.graph.node):
+        model = deltarule_ops.attach_functions(model)
     return model
 
 
@@ -83,8 +89,9 @@ def check(model: onnx.ModelProto, target: str, *, linear_layers: int, convs: int
         raise Unsupported(f"the exported graph has a token loop ({', '.join(op for _, op in loops)}): "
                           f"every linear-attention layer should be one LinearAttention node")
     domain, _ = TARGETS[target]
+    found = {"LinearAttention": ops[(domain, "LinearAttention")] + ops[(deltarule_ops.DOMAIN, "LinearAttention")],
+             "CausalConvWithState": ops[(domain, "CausalConvWithState")]}
     for name, want in (("LinearAttention", linear_layers), ("CausalConvWithState", convs)):
-        if ops[(domain, name)] != want:
-            raise Unsupported(f"the exported graph has {ops[(domain, name)]} {domain or 'onnx'}.{name} nodes "
-                              f"for {want} layers")
+        if found[name] != want:
+            raise Unsupported(f"the exported graph has {found[name]} {name} nodes for {want} layers")
     return ops

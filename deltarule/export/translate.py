@@ -6,13 +6,16 @@
   and the head repeat of GVA (query and key heads repeated to the value heads, as deltarule
   reads them) are standard ops before it; the decay is ``g`` [B, T, H] or ``gk`` reshaped
   to [B, T, H * K] (KDA's per-key decay).
+  A Gated DeltaNet-2 call (``erase`` / ``write`` gates) becomes ``ai.deltarule::LinearAttention``
+  (`deltarule.onnx.ops`: ONNX LinearAttention plus the two gates, with an ONNX function body
+  of standard ops, so every runtime runs it).
 - ``deltarule::causal_conv1d_with_state`` -> one ``CausalConvWithState`` node.
 
-Both are emitted as placeholder ops (`PLACEHOLDER_OPS` in domain `PLACEHOLDER`, schemas
-registered here: the two targets' common form), which `deltarule.export.graph` renames into the target's: ONNX's own
-(opset 27) or ONNX Runtime's ``com.microsoft``. A call these nodes cannot express (a slab,
-packed sequences, Gated DeltaNet-2's erase / write gates, a fused gate) raises
-`deltarule.Unsupported` naming the argument while the model is exported.
+They are emitted as placeholder ops (`PLACEHOLDERS`, domain `PLACEHOLDER`, schemas registered
+here: the targets' common form), which `deltarule.export.graph` renames into the target's
+domain: ONNX's own (opset 27) or ONNX Runtime's ``com.microsoft`` (``ai.deltarule`` for
+Gated DeltaNet-2 on both). A call these nodes cannot express (a slab, packed sequences, a
+fused gate) raises `deltarule.Unsupported` naming the argument while the model is exported.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ from onnx.defs import OpSchema
 from ..errors import Unsupported
 
 PLACEHOLDER = "ai.deltarule.export"
-# the target op each placeholder becomes (names unique across domains: onnx.reference requires it)
-PLACEHOLDER_OPS = {"LinearAttention": "ExportedLinearAttention", "CausalConvWithState": "ExportedCausalConvWithState"}
+# placeholder -> (domain, op) it becomes; domain None: the target's (`graph.TARGETS`). Names
+# unique across domains: onnx.reference requires it.
+PLACEHOLDERS = {"ExportedLinearAttention": (None, "LinearAttention"),
+                "ExportedCausalConvWithState": (None, "CausalConvWithState"),
+                "ExportedGatedDeltaNet2": ("ai.deltarule", "LinearAttention")}
 _REFUSED = {
-    "erase": "Gated DeltaNet-2's erase gate (ai.deltarule::LinearAttention)",
-    "write": "Gated DeltaNet-2's write gate (ai.deltarule::LinearAttention)",
     "cu_seqlens": "packed sequences (cu_seqlens)", "seq_lens": "ragged sequences (seq_lens)",
     "state_indices": "a state slab (state_indices)", "num_accepted_tokens": "speculative rows",
     "plan_layout": "a batch plan", "A_log": "the fused gate (A_log)", "dt_bias": "the fused gate (dt_bias)",
@@ -45,14 +49,19 @@ def _schema(name, inputs, outputs, attributes, types):
         attributes=[OpSchema.Attribute(a, kind, "", required=False) for a, kind in attributes])
 
 
+_LINEAR_ATTRIBUTES = [("q_num_heads", OpSchema.AttrType.INT), ("kv_num_heads", OpSchema.AttrType.INT),
+                      ("update_rule", OpSchema.AttrType.STRING), ("scale", OpSchema.AttrType.FLOAT)]
 _SCHEMAS = (
-    _schema(PLACEHOLDER_OPS["LinearAttention"],
+    _schema("ExportedLinearAttention",
             [("query", "T", False), ("key", "T", False), ("value", "T", False), ("past_state", "S", True),
              ("decay", "T", True), ("beta", "T", True)],
-            [("output", "T"), ("present_state", "S")],
-            [("q_num_heads", OpSchema.AttrType.INT), ("kv_num_heads", OpSchema.AttrType.INT),
-             ("update_rule", OpSchema.AttrType.STRING), ("scale", OpSchema.AttrType.FLOAT)], ("T", "S")),
-    _schema(PLACEHOLDER_OPS["CausalConvWithState"],
+            [("output", "T"), ("present_state", "S")], _LINEAR_ATTRIBUTES, ("T", "S")),
+    # ai.deltarule::LinearAttention (deltarule.onnx.ops): Gated DeltaNet-2's erase / write gates
+    _schema("ExportedGatedDeltaNet2",
+            [("query", "T", False), ("key", "T", False), ("value", "T", False), ("past_state", "S", True),
+             ("decay", "T", True), ("beta", "T", True), ("erase_gate", "T", True), ("write_gate", "T", True)],
+            [("output", "T"), ("present_state", "S")], _LINEAR_ATTRIBUTES, ("T", "S")),
+    _schema("ExportedCausalConvWithState",
             [("input", "T", False), ("weight", "T", False), ("bias", "T", True), ("past_state", "T", True)],
             [("output", "T"), ("present_state", "T")], [("activation", OpSchema.AttrType.STRING)], ("T",)),
 )
@@ -127,7 +136,7 @@ def linear_attention(q, k, v, rule="gated_delta", g=None, gk=None, beta=None, er
                      accept_growth=False, num_states=None):
     """``deltarule::linear_attention`` (the record's arguments, `deltarule.arguments`) as a
     ``LinearAttention`` node: returns (o [B, T, max(Hq, Hv), V], state [B, Hv, K, V])."""
-    reason = refusal(dict(erase=erase, write=write, cu_seqlens=cu_seqlens, seq_lens=seq_lens,
+    reason = refusal(dict(cu_seqlens=cu_seqlens, seq_lens=seq_lens,
                           state_indices=state_indices, num_accepted_tokens=num_accepted_tokens,
                           plan_layout=plan_layout, A_log=A_log, dt_bias=dt_bias, state_layout=state_layout))
     if reason:
@@ -159,14 +168,17 @@ def linear_attention(q, k, v, rule="gated_delta", g=None, gk=None, beta=None, er
     update_rule = {(True, True): "gated_delta", (True, False): "gated", (False, True): "delta",
                    (False, False): "linear"}[(decay is not None and rule in ("gated", "gated_delta"),
                                                beta is not None or rule in ("delta", "gated_delta"))]
-    if update_rule in ("delta", "gated_delta") and beta is None:
-        raise Unsupported("deltarule::linear_attention: a delta rule without beta (beta = 1) is not exported yet")
     attributes = dict(q_num_heads=H if Hv > Hq else Hq, kv_num_heads=Hv, update_rule=update_rule)
     if scale is not None:
         attributes["scale"] = float(scale)
-    o, state = ph.ExportedLinearAttention(q_packed, k_packed, v_packed, initial_state,
-                                  decay if update_rule in ("gated", "gated_delta") else None,
-                                  beta if update_rule in ("delta", "gated_delta") else None, **attributes)
+    operands = [q_packed, k_packed, v_packed, initial_state, decay if update_rule in ("gated", "gated_delta") else None,
+                beta if update_rule in ("delta", "gated_delta") else None]
+    if erase is None:
+        o, state = ph.ExportedLinearAttention(*operands, **attributes)
+    else:                                                  # Gated DeltaNet-2: ai.deltarule::LinearAttention
+        gates = [op.Reshape(x if int(x.dtype) == dtype else op.Cast(x, to=dtype), _ints(op, [0, 0, -1]))
+                 for x in (erase, write)]
+        o, state = ph.ExportedGatedDeltaNet2(*operands, *gates, **attributes)
     o = op.Reshape(o, op.Concat(op.Shape(v, start=0, end=2), _ints(op, [H, V]), axis=0))
     if initial_state is None:
         state = op.Cast(state, to=onnx.TensorProto.FLOAT)
