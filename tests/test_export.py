@@ -343,3 +343,50 @@ def test_genai_config_is_written_for_the_families_genai_runs(exported, family):
         assert decoder["filename"] == "onnx/model.onnx"
         assert decoder["inputs"]["past_conv_names"] % 0 in ex.inputs
         assert decoder["outputs"]["present_recurrent_names"] % 0 in ex.outputs
+
+
+def _qwen3_5_conditional_generation(directory):
+    """A tiny Qwen3.5 checkpoint as Qwen publishes them: Qwen3_5ForConditionalGeneration, a
+    vision tower beside the text model (random weights)."""
+    text = checkpoints.config("qwen3_5").to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=250,
+                                        video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                p.copy_(torch.rand_like(p))
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+def test_a_conditional_generation_checkpoint_gets_transformers_js_text_only_pair(tmp_path):
+    """A published Qwen3.5 (Qwen3_5ForConditionalGeneration) is what transformers.js loads
+    text-only as embed_tokens + decoder_model_merged (inputs_embeds in): the export writes that
+    pair beside model.onnx, and the pair generates transformers' greedy tokens."""
+    ck = _qwen3_5_conditional_generation(tmp_path / "ck")
+    ex = deltarule.export.onnx(ck, str(tmp_path / "out"))
+    assert set(ex.text_only) == {"embed_tokens", "decoder_model_merged"}
+    merged = onnx.load(ex.text_only["decoder_model_merged"])
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in merged.graph.input}
+    assert [v.name for v in merged.graph.input] == ["inputs_embeds", *ex.inputs[1:]]
+    assert dims["inputs_embeds"] == ["batch_size", "sequence_length", 128]
+    assert [(n.domain, n.op_type) for n in merged.graph.node].count(("com.microsoft", "LinearAttention")) == 1
+    model = transformers.AutoModelForCausalLM.from_pretrained(ck).eval()
+    prompt = torch.randint(3, 250, (2, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), integration.torch_fallback():
+        want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                              pad_token_id=0)[:, prompt.shape[1]:].numpy()
+    eos = model.generation_config.eos_token_id
+    pair = DecoderSession(ex.text_only["decoder_model_merged"], embed=ex.text_only["embed_tokens"])
+    np.testing.assert_array_equal(pair.greedy(prompt.numpy(), 8, eos_token_id=eos), want)
+    np.testing.assert_array_equal(DecoderSession(ex.path).greedy(prompt.numpy(), 8, eos_token_id=eos), want)
+
+
+def test_a_causal_lm_checkpoint_gets_no_text_only_pair(exported):
+    _, ex = exported("qwen3_5")
+    assert ex.text_only == {}

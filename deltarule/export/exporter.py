@@ -42,8 +42,9 @@ OPSETS = {torch.float32: 23, torch.float16: 18}
 @dataclass
 class Exported:
     """What `onnx` wrote: the model file, its target, inputs and outputs in order, the state
-    layout, the count of its (domain, op) nodes, and why no genai_config.json was written
-    (None: it was)."""
+    layout, the count of its (domain, op) nodes, why no genai_config.json was written (None:
+    it was), and the text-only pair transformers.js loads for a ``...ForConditionalGeneration``
+    checkpoint (``embed_tokens``, ``decoder_model_merged``: paths; empty otherwise)."""
 
     directory: str
     path: str
@@ -53,6 +54,7 @@ class Exported:
     layout: StateLayout
     ops: dict = field(repr=False)
     no_genai_config: str | None = None     # why genai_config.json was not written
+    text_only: dict = field(default_factory=dict)   # transformers.js's embed_tokens / decoder_model_merged paths
 
 
 def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "float32") -> Exported:
@@ -62,7 +64,10 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "flo
         model_dir: a local checkpoint folder (``config.json`` and weights) of a hybrid family
             transformers ships (Qwen3-Next, Qwen3.5 dense / MoE, Kimi Linear, OLMo-Hybrid).
         out_dir: created if absent; receives ``onnx/model.onnx`` (and ``model.onnx_data``
-            when the weights pass 2 GB), the checkpoint's config, generation config and
+            when the weights pass 2 GB); for a ``...ForConditionalGeneration`` checkpoint
+            (a published Qwen3.5) also ``onnx/embed_tokens.onnx`` (input_ids -> inputs_embeds)
+            and ``onnx/decoder_model_merged.onnx`` (inputs_embeds in: what transformers.js
+            loads for its text model); the checkpoint's config, generation config and
             tokenizer files, and ``genai_config.json`` (for the families onnxruntime-genai
             runs: `deltarule.export.genai`).
         target: ``"ort"`` (default): ONNX Runtime's ``com.microsoft.LinearAttention`` and
@@ -104,11 +109,30 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "flo
         roles = {("input_ids", 0): "batch_size", ("input_ids", 1): "sequence_length",
                  ("attention_mask", 1): "total_sequence_length"}
         roles.update({(t.name, 2): "past_sequence_length" for t in layout.tensors if t.kind in ("key", "value")})
-        proto = to_onnx(program, target, inputs=inputs, outputs=outputs, roles=roles, opset=OPSETS[layout.dtype])
+        opset = OPSETS[layout.dtype]
+        proto = to_onnx(program, target, inputs=inputs, outputs=outputs, roles=roles, opset=opset)
+        split = {}
+        if text_only_split(model_dir):
+            split["decoder_model_merged"] = to_onnx(
+                _trace(model, layout, embeds=True), target, inputs=["inputs_embeds", *inputs[1:]], outputs=outputs,
+                roles={**roles, ("inputs_embeds", 0): "batch_size", ("inputs_embeds", 1): "sequence_length"},
+                opset=opset)
+            batch, seq = torch.export.Dim("batch_size", min=1, max=4096), torch.export.Dim("sequence_length", max=1 << 20)
+            embed = torch.export.export(_Embed(model), (torch.ones(2, 3, dtype=torch.long),),
+                                        dynamic_shapes=({0: batch, 1: seq},), strict=False)
+            split["embed_tokens"] = to_onnx(embed, target, inputs=["input_ids"], outputs=["inputs_embeds"],
+                                            roles={("input_ids", 0): "batch_size", ("input_ids", 1): "sequence_length"},
+                                            opset=opset)
     ops = graph.check(proto, target, linear_layers=len(layout.linear_layers), convs=len(layout.linear_layers))
+    if "decoder_model_merged" in split:
+        graph.check(split["decoder_model_merged"], target, linear_layers=len(layout.linear_layers),
+                    convs=len(layout.linear_layers))
     path = _write(proto, model_dir, out_dir)
+    for name, part in split.items():
+        _save(part, os.path.join(out_dir, "onnx", f"{name}.onnx"))
     no_genai = _write_genai_config(model, out_dir)
-    return Exported(out_dir, path, target, inputs, outputs, layout, dict(ops), no_genai)
+    text_only = {name: os.path.join(out_dir, "onnx", f"{name}.onnx") for name in split}
+    return Exported(out_dir, path, target, inputs, outputs, layout, dict(ops), no_genai, text_only)
 
 
 def to_onnx(program: torch.export.ExportedProgram, target: str, *, inputs: list[str], outputs: list[str],
@@ -174,20 +198,35 @@ def example_inputs(layout: StateLayout, *, batch: int, seq: int, past: int, voca
     return ids, mask, pos.contiguous(), state
 
 
-def _trace(model, layout: StateLayout) -> torch.export.ExportedProgram:
+def _trace(model, layout: StateLayout, *, embeds: bool = False) -> torch.export.ExportedProgram:
+    """`Decoder(model, layout)` exported (input_ids in, or inputs_embeds with `embeds`)."""
     vocab = text_config(model.config).vocab_size
     ids, mask, pos, state = example_inputs(layout, **_TRACE, vocab=vocab, dtype=layout.dtype)
+    if embeds:
+        with torch.no_grad():
+            ids = model.get_input_embeddings()(ids)
     # dtype of each recurrent state: what the model keeps (float32 for every family in 5.25)
     batch = torch.export.Dim("batch_size", min=1, max=4096)
     seq = torch.export.Dim("sequence_length", min=2, max=1 << 20)
     past = torch.export.Dim("past_sequence_length", min=2, max=1 << 20)
     total = torch.export.Dim("total_sequence_length", min=4, max=1 << 21)
-    shapes = ({0: batch, 1: seq}, {0: batch, 1: total},
+    shapes = ({0: batch, 1: seq, **({2: None} if embeds else {})}, {0: batch, 1: total},
               {1: batch, 2: seq} if layout.model_type in MROPE else {0: batch, 1: seq},
               tuple({0: batch, 2: past} if t.kind in ("key", "value") else {0: batch} for t in layout.tensors))
     with torch.no_grad():
-        return torch.export.export(Decoder(model, layout), (ids, mask, pos, *state), dynamic_shapes=shapes,
-                                   strict=False)
+        return torch.export.export(Decoder(model, layout, embeds=embeds), (ids, mask, pos, *state),
+                                   dynamic_shapes=shapes, strict=False)
+
+
+class _Embed(torch.nn.Module):
+    """The model's input embedding: input_ids -> inputs_embeds (transformers.js's ``embed_tokens``)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.embedding = model.get_input_embeddings()
+
+    def forward(self, input_ids):
+        return self.embedding(input_ids)
 
 
 def _layer(node) -> str:
@@ -217,20 +256,34 @@ def _check_calls(program: torch.export.ExportedProgram) -> None:
 
 
 def _write(proto, model_dir: str, out_dir: str) -> str:
-    import onnx as onnx_lib
     os.makedirs(os.path.join(out_dir, "onnx"), exist_ok=True)
     path = os.path.join(out_dir, "onnx", "model.onnx")
-    # a protobuf file holds at most 2 GB: larger weights go to one external file
-    if sum(len(t.raw_data) for t in proto.graph.initializer) > (1 << 31) - (1 << 27):
-        onnx_lib.save_model(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
-                            location="model.onnx_data", size_threshold=1024)
-    else:
-        onnx_lib.save_model(proto, path)
+    _save(proto, path)
     for name in COPIED:
         source = os.path.join(model_dir, name)
         if os.path.isfile(source):
             shutil.copyfile(source, os.path.join(out_dir, name))
     return path
+
+
+def _save(proto, path: str) -> None:
+    """`proto` at `path`; its weights in ``<file>_data`` beside it when they pass what one
+    protobuf file holds (2 GB)."""
+    import onnx as onnx_lib
+    if sum(len(t.raw_data) for t in proto.graph.initializer) > (1 << 31) - (1 << 27):
+        onnx_lib.save_model(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=os.path.basename(path) + "_data", size_threshold=1024)
+    else:
+        onnx_lib.save_model(proto, path)
+
+
+def text_only_split(model_dir: str) -> bool:
+    """Whether transformers.js loads the checkpoint's text model as ``embed_tokens`` +
+    ``decoder_model_merged`` (its ``resolveTypeConfig``: a ``...ForConditionalGeneration``
+    architecture loaded by a ``...ForCausalLM`` class, e.g. a published Qwen3.5)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        architectures = json.load(f).get("architectures") or [""]
+    return architectures[0].endswith("ForConditionalGeneration")
 
 
 def _write_genai_config(model, out_dir: str) -> str | None:

@@ -22,10 +22,14 @@ _NUMPY = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float
 class DecoderSession:
     """An exported decoder and the state it carries between calls."""
 
-    def __init__(self, path: str, *, runner: str = "ort", threads: int | None = None, sizes: dict | None = None):
+    def __init__(self, path: str, *, runner: str = "ort", threads: int | None = None, sizes: dict | None = None,
+                 embed: str | None = None):
         """`sizes`: values of symbolic state dimensions other than the batch and the past length
-        (onnxruntime-genai's builder names the head size ``kv_cache_dim``); the others are 0."""
+        (onnxruntime-genai's builder names the head size ``kv_cache_dim``); the others are 0.
+        `embed`: an ``embed_tokens`` model (input_ids -> inputs_embeds) run before a decoder
+        that takes ``inputs_embeds`` (transformers.js's text-only pair)."""
         self.sizes = dict(sizes or {})
+        self.embed = None if embed is None else DecoderSession._open(embed, runner, threads)
         model = onnx.load(path, load_external_data=False)
         self.inputs = [(i.name, [d.dim_value if d.HasField("dim_value") else d.dim_param
                                  for d in i.type.tensor_type.shape.dim], _NUMPY[i.type.tensor_type.elem_type])
@@ -42,20 +46,23 @@ class DecoderSession:
                 raise ValueError(f"{path}: output {out!r} has no past input")
             self.feedback[out] = found[0]
         self.mrope = next(shape for name, shape, _ in self.inputs if name == "position_ids")[0] == 3
+        self.session = DecoderSession._open(path, runner, threads)
+
+    @staticmethod
+    def _open(path: str, runner: str, threads: int | None):
         if runner == "ort":
             import onnxruntime as ort
             options = ort.SessionOptions()
             if threads:
                 options.intra_op_num_threads = threads
-            self.session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-        elif runner == "deltarule":
+            return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        if runner == "deltarule":
             from ..onnx import Session
-            self.session = Session(path)
-        elif runner == "reference":
+            return Session(path)
+        if runner == "reference":
             from onnx.reference import ReferenceEvaluator
-            self.session = ReferenceEvaluator(path)
-        else:
-            raise ValueError(f"runner: 'ort' | 'deltarule' | 'reference', not {runner!r}")
+            return ReferenceEvaluator(path)
+        raise ValueError(f"runner: 'ort' | 'deltarule' | 'reference', not {runner!r}")
 
     def zero_state(self, batch: int) -> dict:
         """The first step's past: zeros, past length 0 (every symbolic size but the batch and `sizes`)."""
@@ -76,7 +83,11 @@ class DecoderSession:
         if self.mrope:
             pos = np.broadcast_to(pos, (3, B, T))
         types = {name: dtype for name, _, dtype in self.inputs}
-        feeds = {"input_ids": ids.astype(types["input_ids"]), "attention_mask": mask.astype(types["attention_mask"]),
+        if self.embed is not None:
+            first = {"inputs_embeds": self.embed.run(None, {"input_ids": ids.astype(np.int64)})[0]}
+        else:
+            first = {"input_ids": ids.astype(types["input_ids"])}
+        feeds = {**first, "attention_mask": mask.astype(types["attention_mask"]),
                  "position_ids": np.ascontiguousarray(pos, dtype=types["position_ids"]), **past}
         out = dict(zip(self.outputs, self.session.run(None, feeds)))
         return out["logits"], {self.feedback[name]: value for name, value in out.items() if name != "logits"}
