@@ -390,3 +390,49 @@ def test_a_conditional_generation_checkpoint_gets_transformers_js_text_only_pair
 def test_a_causal_lm_checkpoint_gets_no_text_only_pair(exported):
     _, ex = exported("qwen3_5")
     assert ex.text_only == {}
+
+
+# The other families `enable()` binds, from tests/test_transformers.py's tiny models (no
+# deltarule.bench.checkpoints form): two export and run, two are refused at export time
+OTHER_FAMILIES = ["bailing_hybrid", "lara_mini"]
+REFUSED = {"qwen4_exp": "torch.export cannot trace transformers' model",
+           "glm5_next": "AutoModelForCausalLM does not load"}
+
+
+def _save_tiny(family, directory):
+    from test_transformers import tiny
+    model = tiny(family)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                p.copy_(torch.rand_like(p))
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_other_families_export_and_generate_transformers_tokens(tmp_path, family):
+    model = _save_tiny(family, tmp_path / "ck")
+    ex = deltarule.export.onnx(str(tmp_path / "ck"), str(tmp_path / "out"))
+    assert ex.ops[("com.microsoft", "LinearAttention")] == ex.ops[("com.microsoft", "CausalConvWithState")] == 1
+    prompt = torch.randint(3, 120, (2, 7), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad(), integration.torch_fallback():
+        want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                              pad_token_id=0)[:, prompt.shape[1]:]
+    got = DecoderSession(ex.path).greedy(prompt.numpy(), 8, eos_token_id=model.generation_config.eos_token_id)
+    np.testing.assert_array_equal(got, want.numpy())
+    if family == "bailing_hybrid":          # MLA: key and value widths differ
+        assert "key and value differ in width" in ex.no_genai_config
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_families_that_do_not_export_are_refused_at_export_time(tmp_path, family):
+    _save_tiny(family, tmp_path / "ck")
+    with pytest.raises(deltarule.Unsupported, match=REFUSED[family]):
+        deltarule.export.onnx(str(tmp_path / "ck"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_family_enable_binds_is_exported_or_refused_here():
+    assert set(integration.bindings() and {b.family for b in integration.bindings()}) == \
+        set(FAMILIES) | set(OTHER_FAMILIES) | set(REFUSED)

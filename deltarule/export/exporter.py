@@ -130,7 +130,7 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "flo
     path = _write(proto, model_dir, out_dir)
     for name, part in split.items():
         _save(part, os.path.join(out_dir, "onnx", f"{name}.onnx"))
-    no_genai = _write_genai_config(model, out_dir)
+    no_genai = _write_genai_config(model, layout, out_dir)
     text_only = {name: os.path.join(out_dir, "onnx", f"{name}.onnx") for name in split}
     return Exported(out_dir, path, target, inputs, outputs, layout, dict(ops), no_genai, text_only)
 
@@ -164,7 +164,11 @@ def load(model_dir: str, dtype: torch.dtype):
                           f"(layer_types {sorted(kinds) or 'absent'}); deltarule exports the hybrid families")
     # MoE: transformers' default experts loop has data-dependent shapes torch.export refuses
     config._experts_implementation = "batched_mm"
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=dtype)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=dtype)
+    except ValueError as error:                       # a family without a causal-LM class (glm5_next)
+        raise Unsupported(f"{model_dir}: transformers' AutoModelForCausalLM does not load model_type "
+                          f"{config.model_type!r}: {str(error).splitlines()[0]}") from error
     return model.eval()
 
 
@@ -213,9 +217,13 @@ def _trace(model, layout: StateLayout, *, embeds: bool = False) -> torch.export.
     shapes = ({0: batch, 1: seq, **({2: None} if embeds else {})}, {0: batch, 1: total},
               {1: batch, 2: seq} if layout.model_type in MROPE else {0: batch, 1: seq},
               tuple({0: batch, 2: past} if t.kind in ("key", "value") else {0: batch} for t in layout.tensors))
-    with torch.no_grad():
-        return torch.export.export(Decoder(model, layout, embeds=embeds), (ids, mask, pos, *state),
-                                   dynamic_shapes=shapes, strict=False)
+    try:
+        with torch.no_grad():
+            return torch.export.export(Decoder(model, layout, embeds=embeds), (ids, mask, pos, *state),
+                                       dynamic_shapes=shapes, strict=False)
+    except Exception as error:                         # noqa: BLE001 - whatever torch.export refuses
+        raise Unsupported(f"{layout.model_type}: torch.export cannot trace transformers' model "
+                          f"({type(error).__name__}: {str(error).splitlines()[0]})") from error
 
 
 class _Embed(torch.nn.Module):
@@ -286,11 +294,11 @@ def text_only_split(model_dir: str) -> bool:
     return architectures[0].endswith("ForConditionalGeneration")
 
 
-def _write_genai_config(model, out_dir: str) -> str | None:
+def _write_genai_config(model, layout: StateLayout, out_dir: str) -> str | None:
     """genai_config.json for onnxruntime-genai (`deltarule.export.genai`); the reason it is not
     written (a family genai cannot run), or None."""
     try:
-        config = genai.genai_config(model.config, filename="onnx/model.onnx", state_names=genai.STATE_NAMES)
+        config = genai.genai_config(model.config, layout, filename="onnx/model.onnx", state_names=genai.STATE_NAMES)
     except Unsupported as reason:
         return str(reason)
     with open(os.path.join(out_dir, "genai_config.json"), "w") as f:

@@ -14,9 +14,10 @@ the ``past_conv_names`` template and reads the state shapes and dtypes from the 
   present buffers are not shared (``past_present_share_buffer``: false; genai's own builder
   emits GroupQueryAttention, which can share them).
 - No tokenizer is needed to generate from token ids (``og.Model`` / ``og.Generator``).
-- genai 0.18 cannot run OLMo-Hybrid (three convolution states per layer, one template) nor
-  Kimi Linear (its MLA cache's key and value have different widths; genai sizes both from the
-  key): `genai_config` raises `deltarule.Unsupported` for them.
+- genai 0.18 cannot run a model with several convolution states per linear layer (OLMo-Hybrid:
+  genai takes one template) nor one whose attention key and value differ in width (the MLA
+  caches of Kimi Linear and Bailing-Hybrid: genai sizes both from the key): `genai_config`
+  raises `deltarule.Unsupported` for them, read from the export's state layout.
 """
 
 from __future__ import annotations
@@ -34,13 +35,23 @@ STATE_NAMES = {
 # transformers' model_type -> genai's; the others are "decoder"
 MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_text": "qwen3_5_text",
                "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_5_moe_text": "qwen3_5_moe_text"}
-UNSUPPORTED = {"olmo_hybrid": "three convolution states per layer (genai names one)",
-               "kimi_linear": "an attention cache whose key and value differ in width (genai sizes both as the key)"}
 
 
-def genai_config(config, *, filename: str, state_names: dict, context_length: int | None = None) -> dict:
+def unsupported(layout) -> str | None:
+    """Why genai 0.18 cannot run an export of this `deltarule.export.decoder.StateLayout`, or None."""
+    if layout.conv_splits:
+        return "several convolution states per linear layer (genai names one)"
+    widths = {t.kind: t.shape[-1] for t in layout.tensors if t.kind in ("key", "value")}
+    if widths and widths["key"] != widths["value"]:
+        return (f"an attention cache whose key and value differ in width ({widths['key']} and "
+                f"{widths['value']}; genai sizes both as the key)")
+    return None
+
+
+def genai_config(config, layout, *, filename: str, state_names: dict, context_length: int | None = None) -> dict:
     """The ``genai_config.json`` (as a dict) of the decoder `filename` (relative to the folder)
-    exported from the model whose transformers config is `config`, its state named by
+    exported from the model whose transformers config is `config` and state layout `layout`
+    (`deltarule.export.decoder.StateLayout`), its state named by
     `state_names` (the keys of `STATE_NAMES`, each a ``%d`` template). `context_length`: the
     longest sequence genai generates (default: the model's ``max_position_embeddings``).
 
@@ -48,8 +59,9 @@ def genai_config(config, *, filename: str, state_names: dict, context_length: in
         deltarule.Unsupported: a family onnxruntime-genai 0.18 cannot run (module docstring).
     """
     text = getattr(config, "text_config", None) or config
-    if text.model_type in UNSUPPORTED:
-        raise Unsupported(f"onnxruntime-genai 0.18 cannot run {text.model_type}: {UNSUPPORTED[text.model_type]}")
+    reason = unsupported(layout)
+    if reason:
+        raise Unsupported(f"onnxruntime-genai 0.18 cannot run {text.model_type}: {reason}")
     context_length = context_length or text.max_position_embeddings
     eos = text.eos_token_id
     pad = text.pad_token_id if text.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
