@@ -99,16 +99,23 @@ def save(family: str, directory: str, *, shape: str = "tiny", dtype: str = "floa
     cfg.architectures = [_ARCH[family]]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
-    with torch.no_grad():                        # transformers leaves some gates at 0 / 1: give them spread
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias")):
-                p.copy_(torch.rand_like(p, dtype=torch.float32).to(p.dtype) * (1.0 if name.endswith("A_log") else 2.0))
+    spread_gates(model)
     model.save_pretrained(directory)
     if family == "olmo_hybrid":
         _olmo_hybrid_layout(model, directory)
     if family == "kimi_linear" and kimi_format == "moonshot":
         _kimi_linear_layout(cfg, directory)
     return directory
+
+
+def spread_gates(model) -> None:
+    """Random A_log in [0, 1) and dt_bias in [0, 2), in place: transformers initializes some
+    gates at 0 / 1, where every head decays alike."""
+    import torch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                p.copy_(torch.rand_like(p, dtype=torch.float32).to(p.dtype) * (1.0 if name.endswith("A_log") else 2.0))
 
 
 def _kimi_linear_layout(cfg, directory: str) -> None:
