@@ -105,7 +105,6 @@ def _shape(x) -> list:
 
 
 def _ints(op, values):
-    import onnx.helper
     return op.Constant(value=onnx.helper.make_tensor("c", onnx.TensorProto.INT64, [len(values)], values))
 
 
@@ -120,7 +119,6 @@ def _repeat_heads(op, x, r: int):
 
 def _l2norm(op, x, eps: float):
     """x / sqrt(sum(x^2, -1) + eps) in float32, back in x's dtype."""
-    import onnx.helper
     dtype = int(x.dtype)
     y = op.Cast(x, to=onnx.TensorProto.FLOAT) if dtype != onnx.TensorProto.FLOAT else x
     s = op.ReduceSumSquare(y, _ints(op, [-1]), keepdims=1)
