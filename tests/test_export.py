@@ -183,8 +183,8 @@ def _enabled():
             integration.disable()
 
 
-@pytest.mark.parametrize("target", ["ort", "onnx"])
-@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+@pytest.mark.parametrize("family, target", [(f, "ort") for f in FAMILIES] + [("qwen3_5", "onnx"),
+                                                                                ("kimi_linear", "onnx")])
 def test_deltarule_runner_equals_onnxruntime(exported, family, target):
     """`deltarule.onnx.run` (the linear-attention nodes computed by deltarule) on both targets:
     the same greedy tokens, logits to float32 rounding."""
