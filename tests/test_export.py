@@ -90,8 +90,10 @@ def test_names_and_dimensions_are_transformers_js(exported, family):
     assert ex.inputs == [v.name for v in model.graph.input] and ex.outputs == [v.name for v in model.graph.output]
     assert dims["input_ids"] == ["batch_size", "sequence_length"]
     assert dims["attention_mask"] == ["batch_size", "total_sequence_length"]
-    mrope = family.startswith("qwen3_5")
-    assert dims["position_ids"] == ([3] if mrope else []) + ["batch_size", "sequence_length"]
+    if family.startswith("qwen3_5"):              # positions from the mask (decoder.MROPE)
+        assert "position_ids" not in dims
+    else:
+        assert dims["position_ids"] == ["batch_size", "sequence_length"]
     assert dims["logits"][:2] == ["batch_size", "sequence_length"]
     layer_types = ex.layout.model_type and _model_config(exported, family).layer_types
     for i, kind in enumerate(layer_types):
@@ -150,9 +152,9 @@ def test_ort_logits_equal_transformers_on_prompts_of_mixed_lengths(exported, fam
 
 
 def _step(session, ids, mask, positions, past):
-    feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "position_ids": positions.numpy(), **past}
-    if session.mrope:
-        feeds["position_ids"] = np.ascontiguousarray(np.broadcast_to(feeds["position_ids"], (3, *ids.shape)))
+    feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), **past}
+    if session.positions:
+        feeds["position_ids"] = positions.numpy()
     out = dict(zip(session.outputs, session.session.run(None, feeds)))
     return out["logits"], {session.feedback[k]: v for k, v in out.items() if k != "logits"}
 
@@ -371,6 +373,7 @@ def test_a_conditional_generation_checkpoint_gets_transformers_js_text_only_pair
     merged = onnx.load(ex.text_only["decoder_model_merged"])
     dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in merged.graph.input}
     assert [v.name for v in merged.graph.input] == ["inputs_embeds", *ex.inputs[1:]]
+    assert "position_ids" not in ex.inputs
     assert dims["inputs_embeds"] == ["batch_size", "sequence_length", 128]
     assert [(n.domain, n.op_type) for n in merged.graph.node].count(("com.microsoft", "LinearAttention")) == 1
     model = transformers.AutoModelForCausalLM.from_pretrained(ck).eval()

@@ -1,8 +1,8 @@
 """The decoder an export traces: a transformers causal LM as a function of plain tensors.
 
 `Decoder(model)` takes ``input_ids`` (or ``inputs_embeds``), ``attention_mask``,
-``position_ids`` and the past state as plain tensors, fills a transformers `DynamicCache`
-from them, runs the model once, and returns ``logits`` and the present state read back from
+``position_ids`` (not Qwen3.5's: `MROPE`) and the past state as plain tensors, fills a
+transformers `DynamicCache` from them, runs the model once, and returns ``logits`` and the present state read back from
 the cache. One graph serves prefill and decode: the first step feeds zero states with a
 past of length 0 (what transformers.js and onnxruntime-genai do).
 
@@ -31,7 +31,12 @@ import torch
 from ..conv import causal_conv1d_with_state
 from ..errors import Unsupported
 
-# the families whose position_ids are Qwen's multimodal [3, batch, sequence] (text: three equal rows)
+# the families whose position_ids are Qwen's multimodal [3, batch, sequence] (text: three equal
+# rows). Their decoder takes no position_ids: it derives them from attention_mask (cumsum - 1,
+# padding at 1, as transformers' generate does). transformers.js 4.3.2 computes the text-only
+# mrope decode positions wrongly (rope delta max + 1 + length where transformers has
+# max + 1 - length, models/qwen2_vl/modeling_qwen2_vl.js) and reads a vision_config for them;
+# it computes none when the graph takes none.
 MROPE = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 # transformers.js names OLMo-Hybrid's conv state per projection
 SPLIT_CONV = {"olmo_hybrid": ("query", "key", "value")}
@@ -57,6 +62,11 @@ class StateLayout:
     tensors: tuple[Tensor, ...]
     conv_splits: dict             # layer -> channel widths of its split conv state (OLMo-Hybrid)
     dtype: torch.dtype
+
+    @property
+    def takes_positions(self) -> bool:
+        """Whether the decoder takes position_ids (see `MROPE`)."""
+        return self.model_type not in MROPE
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
@@ -121,8 +131,9 @@ def _linear_module(model, layer: int) -> str:
 
 
 class Decoder(torch.nn.Module):
-    """`model` (a transformers causal LM) as ``forward(ids_or_embeds, attention_mask, position_ids,
-    *past) -> (logits, *present)``, the state in `layout`'s order (see the module docstring)."""
+    """`model` (a transformers causal LM) as ``forward(ids_or_embeds, attention_mask, [position_ids,]
+    *past) -> (logits, *present)``, the state in `layout`'s order (see the module docstring);
+    position_ids only where `layout.takes_positions`."""
 
     def __init__(self, model, layout: StateLayout, *, embeds: bool = False):
         super().__init__()
@@ -130,8 +141,14 @@ class Decoder(torch.nn.Module):
         self.layout = layout
         self.embeds = embeds
 
-    def forward(self, ids, attention_mask, position_ids, *past):
+    def forward(self, ids, attention_mask, *args):
         from transformers import DynamicCache
+        if self.layout.takes_positions:
+            position_ids, past = args[0], args[1:]
+        else:                                   # Qwen3.5's text positions, from the mask (MROPE)
+            positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+            position_ids = positions[:, positions.shape[1] - ids.shape[1]:][None].expand(3, -1, -1)
+            past = args
         cache = DynamicCache(config=self.model.config)
         states = {}                      # layer -> conv state [B, C, W - 1] the conv op reads and replaces
         by_layer = {}

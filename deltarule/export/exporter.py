@@ -20,7 +20,7 @@ import torch
 
 from ..errors import ContractError, Unsupported
 from . import genai, graph, translate
-from .decoder import MROPE, Decoder, StateLayout, state_layout, text_config
+from .decoder import Decoder, StateLayout, state_layout, text_config
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 # files copied from the checkpoint beside the model (those present)
@@ -92,7 +92,7 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "flo
         >>> checkpoint = checkpoints.save("qwen3_5", tempfile.mkdtemp())     # tiny, random weights
         >>> result = onnx(checkpoint, tempfile.mkdtemp())
         >>> result.ops[("com.microsoft", "LinearAttention")], result.inputs[:4]
-        (1, ['input_ids', 'attention_mask', 'position_ids', 'past_conv.0'])
+        (1, ['input_ids', 'attention_mask', 'past_conv.0', 'past_recurrent.0'])
     """
     if target not in graph.TARGETS:
         raise ContractError("target", " | ".join(repr(t) for t in graph.TARGETS), repr(target))
@@ -104,7 +104,8 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "flo
     with _on_deltarule():
         layout = state_layout(model)
         program = _trace(model, layout)
-        inputs = ["input_ids", "attention_mask", "position_ids"] + [t.name for t in layout.tensors]
+        inputs = ["input_ids", "attention_mask", *(["position_ids"] if layout.takes_positions else []),
+                  *(t.name for t in layout.tensors)]
         outputs = ["logits"] + [t.present for t in layout.tensors]
         roles = {("input_ids", 0): "batch_size", ("input_ids", 1): "sequence_length",
                  ("attention_mask", 1): "total_sequence_length"}
@@ -188,12 +189,10 @@ class _on_deltarule:
 
 def example_inputs(layout: StateLayout, *, batch: int, seq: int, past: int, vocab: int, dtype=torch.float32,
                    generator: torch.Generator | None = None):
-    """Inputs of `Decoder` (ids, mask, positions, past state; random state of a modest size)."""
+    """Inputs of `Decoder` (ids, mask, positions [B, T], past state; random state of a modest size)."""
     ids = torch.randint(0, vocab, (batch, seq), generator=generator)
     mask = torch.ones(batch, past + seq, dtype=torch.long)
     pos = torch.arange(past, past + seq).expand(batch, seq)
-    if layout.model_type in MROPE:
-        pos = pos[None].expand(3, batch, seq)
     state = []
     for t in layout.tensors:
         shape = [batch if i == 0 else (past if s is None else s) for i, s in enumerate(t.shape)]
@@ -214,12 +213,14 @@ def _trace(model, layout: StateLayout, *, embeds: bool = False) -> torch.export.
     seq = torch.export.Dim("sequence_length", min=2, max=1 << 20)
     past = torch.export.Dim("past_sequence_length", min=2, max=1 << 20)
     total = torch.export.Dim("total_sequence_length", min=4, max=1 << 21)
+    # (ids, mask, *args): args are the positions (where taken) and the state
     shapes = ({0: batch, 1: seq, **({2: None} if embeds else {})}, {0: batch, 1: total},
-              {1: batch, 2: seq} if layout.model_type in MROPE else {0: batch, 1: seq},
-              tuple({0: batch, 2: past} if t.kind in ("key", "value") else {0: batch} for t in layout.tensors))
+              (*([{0: batch, 1: seq}] if layout.takes_positions else []),
+               *({0: batch, 2: past} if t.kind in ("key", "value") else {0: batch} for t in layout.tensors)))
     try:
         with torch.no_grad():
-            return torch.export.export(Decoder(model, layout, embeds=embeds), (ids, mask, pos, *state),
+            return torch.export.export(Decoder(model, layout, embeds=embeds),
+                                       (ids, mask, *([pos] if layout.takes_positions else []), *state),
                                        dynamic_shapes=shapes, strict=False)
     except Exception as error:                         # noqa: BLE001 - whatever torch.export refuses
         raise Unsupported(f"{layout.model_type}: torch.export cannot trace transformers' model "

@@ -6,10 +6,10 @@ token ids, and every input and output; the state names are ``%d`` templates fill
 layer index. genai finds the linear-attention layers by matching the graph's inputs against
 the ``past_conv_names`` template and reads the state shapes and dtypes from the graph.
 
-- Model type: Qwen3.5 (dense / MoE) is genai's ``qwen3_5_text`` / ``qwen3_5_moe_text``, which
-  feed ``position_ids`` as the graph declares them ([3, batch, sequence] with three equal
-  rows, or [batch, sequence]); every other family is genai's generic ``decoder``
-  ([batch, sequence]).
+- Model type: Qwen3.5 (dense / MoE) is genai's ``qwen3_5_text`` / ``qwen3_5_moe_text``; every
+  other family is genai's generic ``decoder``. deltarule's Qwen3.5 decoder takes no
+  ``position_ids`` (it derives them from the mask: `deltarule.export.decoder.MROPE`), so the
+  config names none for it.
 - Our full-attention layers concatenate the past and the new key / value, so the past and
   present buffers are not shared (``past_present_share_buffer``: false; genai's own builder
   emits GroupQueryAttention, which can share them).
@@ -81,7 +81,7 @@ def genai_config(config, layout, *, filename: str, state_names: dict, context_le
                 "num_hidden_layers": text.num_hidden_layers,
                 "num_key_value_heads": text.num_key_value_heads,
                 "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
-                           "position_ids": "position_ids",
+                           **({"position_ids": "position_ids"} if layout.takes_positions else {}),
                            **{f"{k}_names": state_names[k] for k in ("past_key", "past_value", "past_conv",
                                                                      "past_recurrent")}},
                 "outputs": {"logits": "logits",

@@ -45,7 +45,9 @@ class DecoderSession:
             if not found:
                 raise ValueError(f"{path}: output {out!r} has no past input")
             self.feedback[out] = found[0]
-        self.mrope = next(shape for name, shape, _ in self.inputs if name == "position_ids")[0] == 3
+        positions = [shape for name, shape, _ in self.inputs if name == "position_ids"]
+        self.positions = bool(positions)                  # deltarule's Qwen3.5 exports take none
+        self.mrope = self.positions and positions[0][0] == 3
         self.session = DecoderSession._open(path, runner, threads)
 
     @staticmethod
@@ -87,8 +89,9 @@ class DecoderSession:
             first = {"inputs_embeds": self.embed.run(None, {"input_ids": ids.astype(np.int64)})[0]}
         else:
             first = {"input_ids": ids.astype(types["input_ids"])}
-        feeds = {**first, "attention_mask": mask.astype(types["attention_mask"]),
-                 "position_ids": np.ascontiguousarray(pos, dtype=types["position_ids"]), **past}
+        feeds = {**first, "attention_mask": mask.astype(types["attention_mask"]), **past}
+        if self.positions:
+            feeds["position_ids"] = np.ascontiguousarray(pos, dtype=types["position_ids"])
         out = dict(zip(self.outputs, self.session.run(None, feeds)))
         return out["logits"], {self.feedback[name]: value for name, value in out.items() if name != "logits"}
 
