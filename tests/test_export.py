@@ -433,3 +433,22 @@ def test_families_that_do_not_export_are_refused_at_export_time(tmp_path, family
 def test_every_family_enable_binds_is_exported_or_refused_here():
     assert set(integration.bindings() and {b.family for b in integration.bindings()}) == \
         set(FAMILIES) | set(OTHER_FAMILIES) | set(REFUSED)
+
+
+def test_weights_past_the_protobuf_limit_go_to_one_external_file(tmp_path, exported, monkeypatch):
+    """Weights past what one protobuf file holds go to ``model.onnx_data`` beside the model (here
+    with the limit lowered), which onnxruntime loads, and config.json tells transformers.js so."""
+    import json
+    from deltarule.export import exporter
+    ck, ex = exported("qwen3_5")
+    monkeypatch.setattr(exporter, "EXTERNAL_DATA_BYTES", 1 << 20)
+    out = deltarule.export.onnx(ck, str(tmp_path / "out"))
+    assert (tmp_path / "out" / "onnx" / "model.onnx_data").stat().st_size > (1 << 20)
+    assert (tmp_path / "out" / "onnx" / "model.onnx").stat().st_size < (1 << 20)
+    with open(tmp_path / "out" / "config.json") as f:
+        config = json.load(f)
+    assert config["transformers.js_config"]["use_external_data_format"] is True
+    with open(f"{ex.directory}/config.json") as f:           # (below the limit: the config as it was)
+        assert "transformers.js_config" not in json.load(f)
+    prompt = np.array([[5, 9, 200, 31]], dtype=np.int64)
+    np.testing.assert_array_equal(DecoderSession(out.path).greedy(prompt, 4), DecoderSession(ex.path).greedy(prompt, 4))

@@ -32,6 +32,7 @@ COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_
 _TRACE = dict(batch=2, seq=3, past=2)
 _NAMESPACES = ("aten", "prims", "deltarule")
 MIN_TRANSFORMERS = (5, 25)
+EXTERNAL_DATA_BYTES = (1 << 31) - (1 << 27)
 # torch.onnx's opset for the standard ops, by dtype (the onnx target's is raised to 27 after):
 # at 23 attention is one Attention node (decode after 1024 tokens 0.98x onnxruntime-genai's model
 # where 18's MatMul / Softmax gave 0.90x: docs/performance.md); in float16 torch 2.13's exporter
@@ -128,9 +129,7 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "flo
     if "decoder_model_merged" in split:
         graph.check(split["decoder_model_merged"], target, linear_layers=len(layout.linear_layers),
                     convs=len(layout.linear_layers))
-    path = _write(proto, model_dir, out_dir)
-    for name, part in split.items():
-        _save(part, os.path.join(out_dir, "onnx", f"{name}.onnx"))
+    path = _write(proto, model_dir, out_dir, split)
     no_genai = _write_genai_config(model, layout, out_dir)
     text_only = {name: os.path.join(out_dir, "onnx", f"{name}.onnx") for name in split}
     return Exported(out_dir, path, target, inputs, outputs, layout, dict(ops), no_genai, text_only)
@@ -264,26 +263,39 @@ def _check_calls(program: torch.export.ExportedProgram) -> None:
             raise Unsupported(f"layer {_layer(node)}: {node.target} (a state slab) has no ONNX node")
 
 
-def _write(proto, model_dir: str, out_dir: str) -> str:
+def _write(proto, model_dir: str, out_dir: str, parts: dict) -> str:
+    """The decoder (and `parts`: name -> model) under ``out_dir/onnx``, the checkpoint's files
+    beside it; returns the decoder's path."""
     os.makedirs(os.path.join(out_dir, "onnx"), exist_ok=True)
     path = os.path.join(out_dir, "onnx", "model.onnx")
-    _save(proto, path)
+    external = _save(proto, path)
+    for name, part in parts.items():
+        external |= _save(part, os.path.join(out_dir, "onnx", f"{name}.onnx"))
     for name in COPIED:
         source = os.path.join(model_dir, name)
         if os.path.isfile(source):
             shutil.copyfile(source, os.path.join(out_dir, name))
+    if external:                # transformers.js fetches <file>.onnx_data in a browser only when told
+        config_path = os.path.join(out_dir, "config.json")
+        with open(config_path) as f:
+            config = json.load(f)
+        config.setdefault("transformers.js_config", {})["use_external_data_format"] = True
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2)
     return path
 
 
-def _save(proto, path: str) -> None:
-    """`proto` at `path`; its weights in ``<file>_data`` beside it when they pass what one
-    protobuf file holds (2 GB)."""
+def _save(proto, path: str) -> bool:
+    """`proto` at `path`; its weights in ``<file>_data`` beside it when they pass
+    `EXTERNAL_DATA_BYTES` (what one protobuf file holds, 2 GB, less a margin). Returns whether
+    they went there."""
     import onnx as onnx_lib
-    if sum(len(t.raw_data) for t in proto.graph.initializer) > (1 << 31) - (1 << 27):
+    if sum(len(t.raw_data) for t in proto.graph.initializer) > EXTERNAL_DATA_BYTES:
         onnx_lib.save_model(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
                             location=os.path.basename(path) + "_data", size_threshold=1024)
-    else:
-        onnx_lib.save_model(proto, path)
+        return True
+    onnx_lib.save_model(proto, path)
+    return False
 
 
 def text_only_split(model_dir: str) -> bool:
