@@ -491,18 +491,14 @@ def conv1d_with_state(x, weight, bias, state, activation):
 def _check_with_state(x, weight, bias, state, activation):
     if activation not in ACTIVATIONS:
         raise ContractError("activation", " | ".join(repr(a) for a in ACTIVATIONS), repr(activation))
-    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.dtype not in _INPUT_TYPES:
-        raise ContractError("x", "a [B, C, T] float32 / bfloat16 / float16 tensor",
-                            f"shape {list(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__)
+    _tensor("x", x, 3, _INPUT_TYPES, "[B, C, T]")
     B, C = x.shape[0], x.shape[1]
-    if not isinstance(weight, torch.Tensor) or weight.dim() not in (2, 3) or weight.shape[0] != C \
-            or (weight.dim() == 3 and weight.shape[1] != 1) or weight.shape[-1] < 1:
-        raise ContractError("weight", f"[C, W] or [C, 1, W] with C = {C}",
-                            list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__)
-    W = weight.shape[-1]
-    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (C,)):
-        raise ContractError("bias", f"[C] = [{C}] or None",
-                            list(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__)
-    if state is not None and (not isinstance(state, torch.Tensor) or tuple(state.shape) != (B, C, W - 1)):
-        raise ContractError("state", f"[B, C, W - 1] = [{B}, {C}, {W - 1}] or None",
-                            list(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__)
+    flat = weight.squeeze(1) if isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.shape[1] == 1 \
+        else weight
+    W = max(flat.shape[-1], 1) if isinstance(flat, torch.Tensor) and flat.dim() == 2 else 1
+    _tensor("weight", flat, 2, _INPUT_TYPES, f"[C, W] or [C, 1, W] with C = {C}, W >= 1", exact=(C, W))
+    if bias is not None:
+        _tensor("bias", bias, 1, _INPUT_TYPES, f"[C] = [{C}] or None", exact=(C,))
+    if state is not None:
+        _tensor("state", state, 3, _INPUT_TYPES, f"[B, C, W - 1] = [{B}, {C}, {W - 1}] or None",
+                exact=(B, C, W - 1))
