@@ -72,9 +72,6 @@ class StateLayout:
     def linear_layers(self) -> tuple[int, ...]:
         return tuple(sorted({t.layer for t in self.tensors if t.kind == "recurrent"}))
 
-    @property
-    def attention_layers(self) -> tuple[int, ...]:
-        return tuple(sorted({t.layer for t in self.tensors if t.kind == "key"}))
 
 
 def text_config(config):
@@ -172,14 +169,14 @@ class Decoder(torch.nn.Module):
         with _conv_forward(self.model, states):
             out = self.model(**{key: ids}, attention_mask=attention_mask, position_ids=position_ids,
                              cache=cache, use_cache=True)
-        present = []
+        present, split = [], {}
         for t in self.layout.tensors:
             layer = cache.layers[t.layer]
-            if t.kind == "conv":
+            if t.kind == "conv":                   # a split state (OLMo-Hybrid): its parts in order
                 widths = self.layout.conv_splits.get(t.layer)
-                if widths and t.name != f"past_conv.{t.layer}.{SPLIT_CONV[self.layout.model_type][0]}":
-                    continue                       # a split state: all its parts at its first name
-                present += torch.split(states[t.layer], widths, dim=1) if widths else [states[t.layer]]
+                if widths and t.layer not in split:
+                    split[t.layer] = list(torch.split(states[t.layer], widths, dim=1))
+                present.append(split[t.layer].pop(0) if widths else states[t.layer])
             elif t.kind == "recurrent":
                 present.append(layer.recurrent_states[0])
             else:

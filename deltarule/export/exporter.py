@@ -11,6 +11,7 @@ translations (`translate`), and made final for the target (`graph`). Every model
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -125,10 +126,10 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "flo
             split["embed_tokens"] = to_onnx(embed, target, inputs=["input_ids"], outputs=["inputs_embeds"],
                                             roles={("input_ids", 0): "batch_size", ("input_ids", 1): "sequence_length"},
                                             opset=opset)
-    ops = graph.check(proto, target, linear_layers=len(layout.linear_layers), convs=len(layout.linear_layers))
+    linear = len(layout.linear_layers)
+    ops = graph.check(proto, target, linear_layers=linear, convs=linear)
     if "decoder_model_merged" in split:
-        graph.check(split["decoder_model_merged"], target, linear_layers=len(layout.linear_layers),
-                    convs=len(layout.linear_layers))
+        graph.check(split["decoder_model_merged"], target, linear_layers=linear, convs=linear)
     path = _write(proto, model_dir, out_dir, split)
     no_genai = _write_genai_config(model, layout, out_dir)
     text_only = {name: os.path.join(out_dir, "onnx", f"{name}.onnx") for name in split}
@@ -139,8 +140,8 @@ def to_onnx(program: torch.export.ExportedProgram, target: str, *, inputs: list[
             roles: dict, opset: int = 23) -> "onnx.ModelProto":
     """An exported program holding deltarule's ops as the ONNX model of `target`
     (`graph.TARGETS`), its inputs and outputs named `inputs` / `outputs`, the dimensions named by
-    `roles` ((input name, axis) -> a `graph.DIMENSIONS` name), torch.onnx's standard ops at `opset`. Refuses (`Unsupported`, naming
-    the layer) a call no node expresses before converting."""
+    `roles` ((input name, axis) -> a `graph.DIMENSIONS` name), torch.onnx's standard ops at
+    `opset`. Refuses (`Unsupported`, naming the layer) a call no node expresses before converting."""
     _check_calls(program)
     onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=translate.translation_table(),
                                      input_names=inputs, output_names=outputs, optimize=True, verbose=False,
@@ -172,17 +173,16 @@ def load(model_dir: str, dtype: torch.dtype):
     return model.eval()
 
 
-class _on_deltarule:
+@contextlib.contextmanager
+def _on_deltarule():
     """transformers' linear-attention layers on deltarule while exporting (as they were after)."""
-
-    def __enter__(self):
-        from ..integrations import transformers as integration
-        self.was = integration.enabled()
-        integration.enable(strict=False)
-
-    def __exit__(self, *exc):
-        from ..integrations import transformers as integration
-        if not self.was:
+    from ..integrations import transformers as integration
+    was = integration.enabled()
+    integration.enable(strict=False)
+    try:
+        yield
+    finally:
+        if not was:
             integration.disable()
 
 
@@ -207,7 +207,6 @@ def _trace(model, layout: StateLayout, *, embeds: bool = False) -> torch.export.
     if embeds:
         with torch.no_grad():
             ids = model.get_input_embeddings()(ids)
-    # dtype of each recurrent state: what the model keeps (float32 for every family in 5.25)
     batch = torch.export.Dim("batch_size", min=1, max=4096)
     seq = torch.export.Dim("sequence_length", min=2, max=1 << 20)
     past = torch.export.Dim("past_sequence_length", min=2, max=1 << 20)
@@ -299,9 +298,10 @@ def _save(proto, path: str) -> bool:
 
 
 def text_only_split(model_dir: str) -> bool:
-    """Whether transformers.js loads the checkpoint's text model as ``embed_tokens`` +
-    ``decoder_model_merged`` (its ``resolveTypeConfig``: a ``...ForConditionalGeneration``
-    architecture loaded by a ``...ForCausalLM`` class, e.g. a published Qwen3.5)."""
+    """Whether transformers.js loads the checkpoint as ``embed_tokens`` + ``decoder_model_merged``
+    (its ``resolveTypeConfig``: a ``...ForConditionalGeneration`` architecture loaded by a
+    ``...ForCausalLM`` class, e.g. a published Qwen3.5). Read from the checkpoint's config.json:
+    the loaded causal LM's config is the text model's, without that architecture."""
     with open(os.path.join(model_dir, "config.json")) as f:
         architectures = json.load(f).get("architectures") or [""]
     return architectures[0].endswith("ForConditionalGeneration")
