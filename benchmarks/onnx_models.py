@@ -11,8 +11,10 @@
 Each on a random-weight Qwen3.5 checkpoint (`deltarule.bench.checkpoints`: ``tiny`` and the
 Qwen3.5-0.8B shape), batch 1: prefill tokens/s of a prompt of each length from zero state, and
 decode tokens/s (one token after a past of that length). Timed with `deltarule.bench.timing.interleaved`
-(rounds, order rotated); ratios are medians of per-round ratios. Copy bandwidth measured in
-the same run.
+(each implementation warmed up 0.1 s, then rounds of one >= 10 ms batch each, order rotated
+round to round, 20 ms pause before each batch); onnxruntime's default intra-op threads (one
+per core). Ratios: medians of per-round ratios, [min-max] over the rounds. Copy bandwidth
+measured in the same run.
 
     .venv-genai/bin/python benchmarks/onnx_models.py --shape tiny --shape qwen3_5_0_8b --prompt 16 --prompt 1024
 """
@@ -104,13 +106,14 @@ def _decode(session: DecoderSession, T: int, vocab: int):
     return lambda: session.step(token, mask, past)
 
 
-def _row(shape: str, T: int, phase: str, rate: dict, ratio: dict) -> str:
+def _row(shape: str, T: int, phase: str, rate: dict, ratios: dict) -> str:
     """A table row: tokens/s of each implementation, and deltarule's speed over the others'
-    (their time / deltarule's, median over rounds); "-" where one was not timed."""
-    def cells(values, fmt):
-        return [fmt.format(values[n]) if n in values else "-" for n in ("scan", "genai")]
-    return "| " + " | ".join([shape, str(T), phase, f"{rate['deltarule']:.1f}", *cells(rate, "{:.1f}"),
-                              *cells(ratio, "{:.2f}x")]) + " |"
+    (their time / deltarule's per round: the median, [min-max] over rounds); "-" where one was
+    not timed."""
+    rates = [f"{rate[n]:.1f}" if n in rate else "-" for n in ("scan", "genai")]
+    spread = [f"{statistics.median(ratios[n]):.2f}x [{min(ratios[n]):.2f}-{max(ratios[n]):.2f}]" if n in ratios
+              else "-" for n in ("scan", "genai")]
+    return "| " + " | ".join([shape, str(T), phase, f"{rate['deltarule']:.1f}", *rates, *spread]) + " |"
 
 
 def main(argv=None) -> int:
@@ -160,8 +163,7 @@ def main(argv=None) -> int:
                 timings = interleaved(fns, args.rounds, args.budget)
                 tokens = T if phase == "prefill" else 1
                 rate = {name: tokens / t.median for name, t in timings.items()}
-                ratio = {name: statistics.median(timings[name].ratios(timings["deltarule"]))
-                         for name in timings if name != "deltarule"}
+                ratio = {name: timings[name].ratios(timings["deltarule"]) for name in timings if name != "deltarule"}
                 print(_row(shape, T, phase, rate, ratio), flush=True)
     return 0
 
