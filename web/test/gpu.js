@@ -94,11 +94,11 @@ export const MIME = {
   ".wasm": "application/wasm",
 };
 
-// Static file server on 127.0.0.1, random port, serving files under rootDir only
+// Static file server on 127.0.0.1 (`port`, default a random free one), serving files under rootDir only
 // (no directory listings; "dir/" serves dir/index.html). Resolves to the listening
 // http.Server once it is listening, with .url ("http://127.0.0.1:PORT/") and
 // .close() returning a promise.
-export function serve(rootDir) {
+export function serve(rootDir, port = 0) {
   const root = fs.realpathSync(path.resolve(rootDir));
   const server = http.createServer(async (req, res) => {
     const fail = (code) => { res.writeHead(code, { "content-type": "text/plain" }); res.end(`${code}\n`); };
@@ -127,7 +127,7 @@ export function serve(rootDir) {
   server.close = () => new Promise((resolve) => { server.closeAllConnections?.(); close(() => resolve()); });
   return new Promise((resolve, reject) => {
     server.once("error", reject);
-    server.listen(0, "127.0.0.1", () => {
+    server.listen(port, "127.0.0.1", () => {
       server.url = `http://127.0.0.1:${server.address().port}/`;
       resolve(server);
     });

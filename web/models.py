@@ -1,0 +1,178 @@
+"""The export folders the web tests load (issue 35, docs/export.md "transformers.js"): tiny
+random checkpoints of every hybrid family, each with a byte-level BPE tokenizer trained here with
+`tokenizers` (no download), exported by `deltarule.export.onnx` as they are, and the greedy
+tokens transformers generates for the same prompt, from its own PyTorch model.
+
+    .venv/bin/python web/models.py web/models        # bash .ci/web test runs it
+
+Writes ``OUT/<name>/`` (an export folder: onnx/, config, tokenizer) and ``OUT/index.json``:
+``{"prompt", "max_new_tokens", "models": [{name, family, folder, architecture, prompt_ids,
+tokens, text, transformers_js}]}`` where ``transformers_js`` is null when transformers.js 4.3.2
+registers the model type, else why it does not (the test then expects its refusal).
+``OUT/qwen3_5-<shape>/`` and ``OUT/qwen3_5-<shape>-scan/`` are one Qwen3.5 checkpoint exported
+fused and with each LinearAttention node replaced by its ``ai.deltarule`` function body (a
+``Scan`` over tokens, as the first public exports ran), for the page's fused-vs-Scan prefill
+comparison, at each ``--scan-shape`` (default tiny, and tiny with Qwen3.5-0.8B's linear-attention
+heads), listed under ``scan`` in the index. Existing output is kept: delete OUT to rebuild.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))  # onnx_models
+
+import deltarule.export  # noqa: E402
+from deltarule.bench import checkpoints  # noqa: E402
+from deltarule.integrations import transformers as integration  # noqa: E402
+
+PROMPT = "The gated delta rule runs in the browser, one token at a time."
+MAX_NEW_TOKENS = 12
+VOCAB = 384                   # the model's; the tokenizer takes the first TOKENIZER_VOCAB ids
+TOKENIZER_VOCAB = 376         # Qwen3.5-VL's image / video / vision marker ids sit above it
+SPECIAL = ["<|pad|>", "<|bos|>", "<|endoftext|>"]   # ids 0, 1, 2: the tiny configs' pad / bos / eos
+CORPUS = [
+    "The gated delta rule updates a matrix state with one rank-one correction per token.",
+    "Linear attention runs in the browser with WebGPU or WebAssembly, one token at a time.",
+    "Hybrid models mix softmax attention layers with Gated DeltaNet layers and short convolutions.",
+    "Each decoding step reads the recurrent state, writes it back, and emits the next token.",
+    "Qwen3-Next, Qwen3.5 and OLMo-Hybrid run as ONNX models in onnxruntime and transformers.js.",
+] * 4
+
+# transformers.js 4.3.2's model registry (dist/transformers.web.js: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+# and getCacheNames): the model types it has no causal LM for
+NOT_IN_TRANSFORMERS_JS = {
+    "qwen3_5_moe_text": "transformers.js 4.3.2 registers Qwen3.5-MoE only as qwen3_5_moe (the "
+                        "ForConditionalGeneration checkpoint Qwen publishes), no causal LM for qwen3_5_moe_text",
+    "kimi_linear": "transformers.js 4.3.2 has no kimi_linear model (nor its cache names)",
+}
+
+
+def tokenizer(directory: str) -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE (Qwen's kind: ByteLevel pre-tokenizer and decoder) trained on CORPUS,
+    saved as tokenizer.json + tokenizer_config.json in `directory`."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=SPECIAL[0], bos_token=SPECIAL[1],
+                                                eos_token=SPECIAL[2])
+    fast.save_pretrained(directory)
+    return fast
+
+
+def conditional_generation(family: str, directory: str, shape: str = "tiny") -> str:
+    """A Qwen3.5 / Qwen3.5-MoE checkpoint as Qwen publishes them: ...ForConditionalGeneration,
+    a small vision tower beside the text model (random weights)."""
+    text = checkpoints.config(family, shape, vocab_size=VOCAB).to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
+    cls, model_cls = {"qwen3_5": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration),
+                      "qwen3_5_moe": (transformers.Qwen3_5MoeConfig,
+                                      transformers.Qwen3_5MoeForConditionalGeneration)}[family]
+    config = cls(text_config=text, vision_config=vision, image_token_id=VOCAB - 4, video_token_id=VOCAB - 3,
+                 vision_start_token_id=VOCAB - 2, vision_end_token_id=VOCAB - 1)
+    config.architectures = [model_cls.__name__]
+    torch.manual_seed(0)
+    model = model_cls(config)
+    checkpoints.spread_gates(model)
+    model.save_pretrained(directory)
+    return directory
+
+
+def greedy(checkpoint: str, ids: list[int]) -> list[int]:
+    """transformers' greedy tokens after `ids`, its own PyTorch model and kernels."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    prompt = torch.tensor([ids])
+    eos = model.generation_config.eos_token_id
+    with torch.no_grad(), integration.torch_fallback():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=MAX_NEW_TOKENS,
+                             do_sample=False, pad_token_id=0, eos_token_id=eos)
+    return out[0, len(ids):].tolist()
+
+
+# name -> (family, checkpoint kind): every family `deltarule.export` exports that transformers.js
+# could know, as a causal LM and, for Qwen3.5 / Qwen3.5-MoE, as Qwen publishes them
+MODELS = {
+    "qwen3_5": ("qwen3_5", "causal_lm"),
+    "qwen3_5-vl": ("qwen3_5", "conditional_generation"),
+    "qwen3_5_moe": ("qwen3_5_moe", "causal_lm"),
+    "qwen3_5_moe-vl": ("qwen3_5_moe", "conditional_generation"),
+    "qwen3_next": ("qwen3_next", "causal_lm"),
+    "olmo_hybrid": ("olmo_hybrid", "causal_lm"),
+    "kimi_linear": ("kimi_linear", "causal_lm"),
+}
+
+
+def build(name: str, out: str, work: str) -> dict:
+    family, kind = MODELS[name]
+    ck = os.path.join(work, name)
+    if kind == "conditional_generation":
+        conditional_generation(family, ck)
+    else:
+        checkpoints.save(family, ck, vocab_size=VOCAB)
+    tok = tokenizer(ck)
+    ids = tok(PROMPT)["input_ids"]
+    tokens = greedy(ck, ids)
+    folder = os.path.join(out, name)
+    ex = deltarule.export.onnx(ck, folder)
+    with open(os.path.join(ck, "config.json")) as f:
+        config = json.load(f)
+    model_type = config["model_type"]
+    return dict(name=name, family=family, folder=name, architecture=config["architectures"][0],
+                model_type=model_type, prompt_ids=ids, tokens=tokens,
+                text=tok.decode(tokens), files=sorted(os.path.relpath(p, folder) for p in
+                                                     [ex.path, *ex.text_only.values()]),
+                transformers_js=NOT_IN_TRANSFORMERS_JS.get(model_type))
+
+
+def scan_pair(out: str, work: str, shape: str) -> list[dict]:
+    """The same Qwen3.5 checkpoint at `shape` exported fused and as Scan loops (the same graph
+    with each LinearAttention node replaced by its function body: opset 23 both, which
+    onnxruntime-web 1.31 takes; it refuses opset 27)."""
+    from onnx_models import scan_variant
+    ck = os.path.join(work, f"qwen3_5-{shape}")
+    checkpoints.save("qwen3_5", ck, shape=shape, vocab_size=VOCAB)
+    tokenizer(ck)
+    fused = os.path.join(out, f"qwen3_5-{shape}")
+    ex = deltarule.export.onnx(ck, fused)
+    scan = fused + "-scan"
+    shutil.copytree(fused, scan, ignore=shutil.ignore_patterns("*.onnx"))      # weights file shared by name
+    scan_variant(ex.path, out=os.path.join(scan, "onnx", "model.onnx"))
+    return [dict(name=os.path.basename(fused), folder=os.path.basename(fused), shape=shape, kind="fused"),
+            dict(name=os.path.basename(scan), folder=os.path.basename(scan), shape=shape, kind="scan")]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out")
+    parser.add_argument("--scan-shape", action="append", choices=sorted(checkpoints.SHAPES),
+                        help="shapes of the fused / Scan pairs (default: tiny and tiny_0_8b_heads)")
+    args = parser.parse_args(argv)
+    index = os.path.join(args.out, "index.json")
+    if os.path.exists(index):
+        print(f"{index} exists: kept (delete {args.out} to rebuild)")
+        return
+    os.makedirs(args.out, exist_ok=True)
+    with tempfile.TemporaryDirectory() as work:
+        entries = [build(name, args.out, work) for name in MODELS]
+        scan = [m for shape in args.scan_shape or ["tiny", "tiny_0_8b_heads"] for m in scan_pair(args.out, work, shape)]
+    with open(index, "w") as f:
+        json.dump(dict(prompt=PROMPT, max_new_tokens=MAX_NEW_TOKENS, models=entries, scan=scan), f, indent=1)
+    for e in entries:
+        print(e["name"], e["tokens"], e["transformers_js"] or "")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,504 @@
+// deltarule's kernel cards against onnxruntime-web's own WebGPU kernels, same inputs, same page,
+// same GPUDevice (docs/web.md, "The cards against onnxruntime-web's own kernels"). Used by
+// ort-kernels.html; reads what benchmarks/ort_web_kernels.py wrote into ort-kernels/:
+//
+//   .venv/bin/python benchmarks/ort_web_kernels.py --out web/ort-kernels
+//
+// Per case (prefill from a non-zero state, decode with the state fed back) and contract:
+// - com.microsoft.GatedDeltaNet: the card cards/com.microsoft.GatedDeltaNet, and a one-node ONNX
+//   model run by onnxruntime-web (ort.webgpu.bundle: the native WebGPU execution provider);
+// - com.microsoft.LinearAttention: the card cards/deltarule.LinearAttention fed the same numbers
+//   (packed [B, T, H*D] is the same memory as [B, T, H, D]; past_state [B, H, K, V] is the card's
+//   "kv" layout; scale 0 -> 1/sqrt(K) in both), and the one-node model in onnxruntime-web.
+// Every output and final state is checked against deltarule's float64 reference with the cards'
+// own measure (relativeError of deltarule-kernels.js) and the float32 tolerance of the cards.
+//
+// Timing: onnxruntime-web creates the GPUDevice (its own feature and limit choices) and the cards
+// are loaded on that same device, so both read the same GPUBuffers: the cards as { buffer } inputs
+// with { resident: true }, onnxruntime-web through ort.Tensor.fromGpuBuffer with
+// preferredOutputLocation "gpu-buffer". Each call is timed to the end of its GPU work
+// (queue.onSubmittedWorkDone, as web/bench.js). Median of `repeat` calls after one warm-up call;
+// decode: median over `repeat` loops of `steps` T = 1 calls (ms per step), state on the device.
+// The implementations of a case take turns, one call (or loop) each per round, in an order rotated
+// from round to round (a shared, noisy machine: its slow spells fall on all of them).
+
+import * as ort from "./node_modules/onnxruntime-web/dist/ort.webgpu.bundle.min.mjs";
+import { loadKernel, relativeError } from "./deltarule-kernels.js";
+
+const GDN = "com.microsoft.GatedDeltaNet", LA = "com.microsoft.LinearAttention";
+export const GENERATOR = ".venv/bin/python benchmarks/ort_web_kernels.py --out web/ort-kernels";
+
+// ---- onnxruntime-web: sessions, their log lines (node placement) --------------------------------
+
+// What onnxruntime's wasm logger writes to the console, collected while `sink` is set. Emscripten
+// binds console.log / console.error when the wasm module starts, so the hooks go in before the
+// first session and stay (outside a capture they pass everything through).
+let sink = null;
+function hookConsole() {
+  if (console.__ortKernelsHooked) return;
+  for (const name of ["log", "info", "warn", "error", "debug"]) {
+    const original = console[name].bind(console);
+    console[name] = (...args) => (sink ? sink.push(args.map(String).join(" ")) : original(...args));
+  }
+  console.__ortKernelsHooked = true;
+}
+
+async function capturingLogs(fn) {
+  const lines = [];
+  sink = lines;
+  try {
+    return { value: await fn(), lines };
+  } catch (error) {
+    return { error, lines };
+  } finally {
+    sink = null;
+  }
+}
+
+// The WGSL onnxruntime's program manager logs (verbose) when it builds a program, by cache key.
+const ortShaders = new Map();
+function keepShaders(lines) {
+  let key = null, code = [];
+  for (const line of lines.join("\n").split("\n")) {
+    const start = line.match(/=== WebGPU Shader code \[(.*)\] Start ===/);
+    if (start) { key = start[1]; code = []; continue; }
+    if (key && /=== WebGPU Shader code .*End ===/.test(line)) { ortShaders.set(key, code.join("\n").trim()); key = null; continue; }
+    if (key) code.push(line);
+  }
+}
+
+// An untimed onnxruntime-web call (the warm-up, where it builds its programs): its log kept apart.
+async function untimed(fn) {
+  const { value, error, lines } = await capturingLogs(fn);
+  keepShaders(lines);
+  if (error) throw error;
+  return value;
+}
+
+// The session-creation lines that say where each node went (verbose session log).
+function placementLines(lines) {
+  return lines.filter((l) => /Node placements|placed on|kernel not found in registries|Could not find an implementation|Provider type for/.test(l))
+    .map((l) => l.replace(/^.*?\] /, "").trim());
+}
+
+function placementOf(lines) {
+  const all = lines.find((l) => /All nodes placed on/.test(l));
+  if (all) return all.match(/\[(\w+)\]/)?.[1] ?? all;
+  const some = lines.filter((l) => /placed on/.test(l));
+  return some.length ? some.join("; ") : null;
+}
+
+// One session with verbose session logs, kept open while the timed session runs (closing the last
+// session of a device lets onnxruntime destroy the device).
+async function probe(url, executionProviders) {
+  const { value, error, lines } = await capturingLogs(() => ort.InferenceSession.create(url,
+    { executionProviders, logSeverityLevel: 0, logVerbosityLevel: 0 }));
+  const kept = placementLines(lines);
+  return { session: value ?? null, error: error ? String(error.message ?? error).trim() : null, lines: kept,
+    placement: value ? placementOf(kept) : null };
+}
+
+// ---- data ---------------------------------------------------------------------------------------
+
+async function fetchOk(url) {
+  const response = await fetch(url);
+  if (!response.ok) throw new Error(`${url}: HTTP ${response.status}`);
+  return response;
+}
+
+async function readIndex(base) {
+  const url = new URL("index.json", base);
+  const response = await fetch(url);
+  if (!response.ok) {
+    throw new Error(`ort-kernels/ is missing (${url}: HTTP ${response.status}): run \`${GENERATOR}\` from the repository root`);
+  }
+  return response.json();
+}
+
+async function readTensor(base, t) {
+  const data = new Float32Array(await (await fetchOk(new URL(t.file, base))).arrayBuffer());
+  const n = t.shape.reduce((a, b) => a * b, 1);
+  if (data.length !== n) throw new Error(`${t.file}: ${data.length} float32s, shape [${t.shape}] needs ${n}`);
+  return { data, shape: t.shape, dtype: "float32" };
+}
+
+const USAGE = () => GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;
+
+function upload(device, data, made) {
+  const buffer = device.createBuffer({ size: Math.max(16, Math.ceil(data.byteLength / 16) * 16), usage: USAGE() });
+  device.queue.writeBuffer(buffer, 0, data);
+  made.push(buffer);
+  return buffer;
+}
+
+async function readBuffer(device, buffer, count) {
+  const staging = device.createBuffer({ size: count * 4, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST });
+  const encoder = device.createCommandEncoder();
+  encoder.copyBufferToBuffer(buffer, 0, staging, 0, count * 4);
+  device.queue.submit([encoder.finish()]);
+  await staging.mapAsync(GPUMapMode.READ);
+  const data = new Float32Array(staging.getMappedRange().slice(0));
+  staging.unmap();
+  staging.destroy();
+  return data;
+}
+
+function copyInto(device, from, to, bytes) {
+  const encoder = device.createCommandEncoder();
+  encoder.copyBufferToBuffer(from, 0, to, 0, bytes);
+  device.queue.submit([encoder.finish()]);
+}
+
+const numel = (shape) => shape.reduce((a, b) => a * b, 1);
+const median = (xs) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)];
+const f32 = (data) => ({ data, dtype: "float32" });
+
+// ---- one case -----------------------------------------------------------------------------------
+
+// Device-resident inputs of a case: the whole sequence (prefill) or one buffer set per step
+// (decode: a binding starts at offset 0, so each step gets its own buffers). Shared by the cards
+// and onnxruntime-web.
+function deviceInputs(device, host, steps, made) {
+  const [, T, H, K] = host.q.shape, V = host.v.shape[3];
+  const slice = (t, n, width) => t.data.subarray(n * width, (n + 1) * width);
+  const sets = [];
+  for (let n = 0; n < steps; n++) {
+    const len = steps === 1 ? T : 1;
+    const pick = (t, width) => (steps === 1 ? t.data : slice(t, n, width));
+    sets.push({
+      T: len,
+      q: upload(device, pick(host.q, H * K), made), k: upload(device, pick(host.k, H * K), made),
+      v: upload(device, pick(host.v, H * V), made), g: upload(device, pick(host.g, H), made),
+      beta: upload(device, pick(host.beta, H), made),
+    });
+  }
+  return { sets, H, K, V, s0kv: upload(device, host.s0_kv.data, made), s0vk: upload(device, host.s0_vk.data, made) };
+}
+
+function cardInputs(contract, set, H, K, V, state) {
+  const t = (buffer, shape) => ({ buffer, shape, dtype: "float32" });
+  if (contract === GDN) {
+    return { queryT: t(set.q, [1, set.T, H, K]), keyT: t(set.k, [1, set.T, H, K]), valueT: t(set.v, [1, set.T, H, V]),
+      decayT: t(set.g, [1, set.T, H]), betaT: t(set.beta, [1, set.T, H]), initialStateT: t(state, [1, H, V, K]) };
+  }
+  return { qT: t(set.q, [1, set.T, H, K]), kT: t(set.k, [1, set.T, H, K]), vT: t(set.v, [1, set.T, H, V]),
+    gT: t(set.g, [1, set.T, H]), betaT: t(set.beta, [1, set.T, H]), initialStateT: t(state, [1, H, K, V]) };
+}
+
+function ortFeeds(set, H, K, V, state) {
+  const t = (buffer, dims) => ort.Tensor.fromGpuBuffer(buffer, { dataType: "float32", dims });
+  const feeds = { query: t(set.q, [1, set.T, H * K]), key: t(set.k, [1, set.T, H * K]), value: t(set.v, [1, set.T, H * V]),
+    decay: t(set.g, [1, set.T, H]), beta: t(set.beta, [1, set.T, H]) };
+  if (state) feeds.past_state = t(state, [1, H, K, V]);
+  return feeds;
+}
+
+// Each implementation is a runner: warm() makes its first, untimed call (pipelines, programs);
+// timed() makes one timed call (prefill) or one decode loop and returns ms per call (per step);
+// result() reads back the outputs of its last timed call (or loop) and frees what it holds.
+
+function prefillCard(kernel, contract, dev, variant) {
+  const { H, K, V } = dev;
+  const inputs = cardInputs(contract, dev.sets[0], H, K, V, contract === GDN ? dev.s0vk : dev.s0kv);
+  const [oKey, sKey] = contract === GDN ? ["outputT", "finalStateT"] : ["oT", "stateT"];
+  const release = (out) => { for (const x of Object.values(out)) x.buffer.destroy(); };
+  const call = () => kernel(inputs, { resident: true, variant });
+  let last = null;
+  return {
+    warm: async () => release(await call()),
+    async timed() {
+      if (last) release(last);
+      last = null;
+      const t0 = performance.now();
+      last = await call();
+      return performance.now() - t0;
+    },
+    async result() {
+      const o = await readBuffer(kernel.device, last[oKey].buffer, numel(last[oKey].shape));
+      const s = await readBuffer(kernel.device, last[sKey].buffer, numel(last[sKey].shape));
+      release(last);
+      return { o, s };
+    },
+  };
+}
+
+function prefillOrt(session, device, dev) {
+  const { H, K, V } = dev;
+  const feeds = ortFeeds(dev.sets[0], H, K, V, dev.s0kv);
+  const call = async () => {
+    const out = await session.run(feeds);
+    await device.queue.onSubmittedWorkDone();     // run() returns once the work is submitted
+    return out;
+  };
+  const dispose = (out) => { for (const x of Object.values(out)) x.dispose(); };
+  let last = null;
+  return {
+    warm: async () => dispose(await untimed(call)),
+    async timed() {
+      if (last) dispose(last);
+      last = null;
+      const t0 = performance.now();
+      last = await call();
+      return performance.now() - t0;
+    },
+    async result() {
+      const o = new Float32Array(await last.output.getData());
+      const s = new Float32Array(await last.present_state.getData());
+      dispose(last);
+      return { o, s };
+    },
+  };
+}
+
+// decode: a loop of `steps` one-token calls, the state fed back on the device, each loop from a
+// fresh copy of the initial state (made before the clock starts); warm() is one step on a copy.
+function decodeCard(kernel, contract, dev) {
+  const { H, K, V, sets } = dev, device = kernel.device, bytes = H * K * V * 4;
+  const s0 = contract === GDN ? dev.s0vk : dev.s0kv;
+  const [oKey, sKey] = contract === GDN ? ["outputT", "finalStateT"] : ["oT", "stateT"];
+  // deltarule.LinearAttention: the state slab updated in place (stateIndicesT); GatedDeltaNet keeps
+  // initial and final states apart: the final state buffer is the next step's initial state
+  const slab = contract !== GDN ? { stateIndicesT: { data: Int32Array.from([0]), shape: [1] } } : {};
+  let state = null, outs = [];
+  const reset = async () => {
+    for (const b of outs) b.destroy();
+    outs = [];
+    state?.destroy();
+    state = device.createBuffer({ size: bytes, usage: USAGE() });
+    copyInto(device, s0, state, bytes);
+    await device.queue.onSubmittedWorkDone();
+  };
+  const step = async (set) => {
+    const out = await kernel({ ...cardInputs(contract, set, H, K, V, state), ...slab }, { resident: true });
+    outs.push(out[oKey].buffer);
+    if (contract === GDN) {
+      state.destroy();
+      state = out[sKey].buffer;
+    }
+  };
+  return {
+    stateUpdate: contract === GDN ? "final state buffer fed back" : "slab updated in place",
+    async warm() {
+      await reset();
+      await step(sets[0]);
+    },
+    async timed() {
+      await reset();
+      const t0 = performance.now();
+      for (const set of sets) await step(set);
+      return (performance.now() - t0) / sets.length;
+    },
+    async result() {
+      const o = new Float32Array(sets.length * H * V);
+      for (let n = 0; n < outs.length; n++) o.set(await readBuffer(device, outs[n], H * V), n * H * V);
+      const s = await readBuffer(device, state, H * K * V);
+      for (const b of [...outs, state]) b.destroy();
+      return { o, s };
+    },
+  };
+}
+
+function decodeOrt(session, device, dev) {
+  const { H, K, V, sets } = dev, bytes = H * K * V * 4;
+  for (const set of sets) set.feeds ??= ortFeeds(set, H, K, V, null);
+  // the state chained as onnxruntime returns it: present_state (a GPU tensor it allocated) is the
+  // next step's past_state
+  let first = null, state = null, outs = [];
+  const free = () => {
+    for (const x of outs) x.dispose();
+    outs = [];
+    if (state && state.gpuBuffer !== first) state.dispose();
+    first?.destroy();
+    first = state = null;
+  };
+  const reset = async () => {
+    free();
+    first = device.createBuffer({ size: bytes, usage: USAGE() });
+    copyInto(device, dev.s0kv, first, bytes);
+    state = ort.Tensor.fromGpuBuffer(first, { dataType: "float32", dims: [1, H, K, V] });
+    await device.queue.onSubmittedWorkDone();
+  };
+  const step = async (set) => {
+    const out = await session.run({ ...set.feeds, past_state: state });
+    await device.queue.onSubmittedWorkDone();
+    outs.push(out.output);
+    if (state.gpuBuffer !== first) state.dispose();
+    state = out.present_state;
+  };
+  return {
+    stateUpdate: "present_state tensor fed back as past_state",
+    async warm() {
+      await reset();
+      await untimed(() => step(sets[0]));
+    },
+    async timed() {
+      await reset();
+      const t0 = performance.now();
+      for (const set of sets) await step(set);
+      return (performance.now() - t0) / sets.length;
+    },
+    async result() {
+      const o = new Float32Array(sets.length * H * V);
+      for (let n = 0; n < outs.length; n++) o.set(new Float32Array(await outs[n].getData()), n * H * V);
+      const s = new Float32Array(await state.getData());
+      free();
+      return { o, s };
+    },
+  };
+}
+
+// ---- the whole comparison -----------------------------------------------------------------------
+
+/**
+ * Run every case of ort-kernels/index.json.
+ * @param options { base: URL of the folder holding index.json (default ./ort-kernels/ beside this
+ *   module), cards: URL of the cards folder, repeat (default 3), variants: card variants timed on
+ *   prefill (default ["auto", "recurrent"]), onRow(row): called as rows come }
+ * @returns { adapter, device, ort, shape, tolerance, placement, rows, ratios }
+ */
+export async function runOrtKernels(options = {}) {
+  const here = import.meta.url;
+  const base = new URL(options.base ?? "./ort-kernels/", here);
+  const cardsUrl = new URL(options.cards ?? "./cards/", here);
+  const repeat = options.repeat ?? 3;
+  const variants = options.variants ?? ["auto", "recurrent"];
+  const onRow = options.onRow ?? (() => {});
+  const index = await readIndex(base);
+  ort.env.wasm.wasmPaths = new URL("./node_modules/onnxruntime-web/dist/", here).href;
+  ort.env.wasm.numThreads = 1;        // no cross-origin isolation here: one wasm thread either way
+  // the runtime's logger passes verbose lines (set before the first session initializes it); the
+  // probe sessions ask for them, the timed sessions do not (logSeverityLevel 2, warnings)
+  ort.env.logLevel = "verbose";
+  hookConsole();
+  const modelUrl = (contract) => new URL(index.models[contract], base).href;
+
+  // onnxruntime-web's GatedDeltaNet: under the webgpu EP, and under wasm alone (its CPU kernels),
+  // before any other session exists (a refused session releases the EP's device)
+  const gdnWebgpu = await probe(modelUrl(GDN), ["webgpu"]);
+  const gdnWasm = gdnWebgpu.session ? null : await probe(modelUrl(GDN), ["wasm"]);
+  const laProbe = await probe(modelUrl(LA), ["webgpu"]);
+  if (!laProbe.session) throw new Error(`onnxruntime-web could not create the LinearAttention session: ${laProbe.error}`);
+  const sessionOptions = { executionProviders: ["webgpu"], preferredOutputLocation: "gpu-buffer", logSeverityLevel: 2 };
+  // (the runtime's default logger still writes verbose lines while a session is created: kept apart)
+  const create = async (contract) => {
+    const { value, error } = await capturingLogs(() => ort.InferenceSession.create(modelUrl(contract), sessionOptions));
+    if (error) throw error;
+    return value;
+  };
+  const sessions = { [LA]: await create(LA) };
+  if (gdnWebgpu.session) sessions[GDN] = await create(GDN);
+  const device = await ort.env.webgpu.device;
+  if (!device) throw new Error("onnxruntime-web did not expose its GPUDevice (ort.env.webgpu.device)");
+  const adapterInfo = device.adapterInfo ?? {};
+  const kernels = {
+    [GDN]: await loadKernel(new URL(`${GDN}/`, cardsUrl).href, { device }),
+    [LA]: await loadKernel(new URL("deltarule.LinearAttention/", cardsUrl).href, { device }),
+  };
+  const placement = {
+    [GDN]: gdnWebgpu.session
+      ? { ep: gdnWebgpu.placement, lines: gdnWebgpu.lines }
+      : { ep: null, error: gdnWebgpu.error, lines: gdnWebgpu.lines, wasmError: gdnWasm?.error, wasmLines: gdnWasm?.lines },
+    [LA]: { ep: laProbe.placement, lines: laProbe.lines },
+  };
+  const tol = index.tolerance, { H, K, V } = index;
+  const rows = [];
+  const add = (row) => { rows.push(row); onRow(row); return row; };
+  try {
+    for (const c of index.cases) {
+      const host = {};
+      for (const [name, t] of Object.entries(c.inputs)) host[name] = await readTensor(base, t);
+      const expected = {};
+      for (const [name, t] of Object.entries(c.expected)) expected[name] = await readTensor(base, t);
+      const made = [];
+      const dev = deviceInputs(device, host, c.kind === "decode" ? c.steps : 1, made);
+      await device.queue.onSubmittedWorkDone();
+      const tokens = c.kind === "decode" ? 1 : c.tokens;
+      // the implementations of this case: each card (per variant on prefill) and onnxruntime-web's node
+      const runners = [];
+      for (const contract of [GDN, LA]) {
+        const card = contract === GDN ? "card com.microsoft.GatedDeltaNet" : "card deltarule.LinearAttention";
+        const stateKey = contract === GDN ? "state_vk" : "state_kv";
+        const common = { contract, stateKey };
+        if (c.kind === "decode") {
+          runners.push({ ...common, implementation: card, variant: "recurrent", ep: "deltarule WebGPU card",
+            run: decodeCard(kernels[contract], contract, dev) });
+        } else {
+          for (const variant of variants) {
+            runners.push({ ...common, implementation: card, ep: "deltarule WebGPU card",
+              variant: variant === "auto" ? `auto (${c.tokens >= 128 ? "chunked" : "recurrent"})` : variant,
+              run: prefillCard(kernels[contract], contract, dev, variant) });
+          }
+        }
+        const implementation = `onnxruntime-web ${contract}`;
+        if (sessions[contract]) {
+          runners.push({ ...common, implementation, variant: "", ep: placement[contract].ep,
+            run: c.kind === "decode" ? decodeOrt(sessions[contract], device, dev) : prefillOrt(sessions[contract], device, dev) });
+        } else {
+          runners.push({ ...common, implementation, variant: "", ep: "none (no kernel)", unavailable: placement[contract].error });
+        }
+      }
+      // warm-ups, then `repeat` rounds of one timed call (or decode loop) each, the order rotated
+      // from round to round so that a slow spell of this shared machine falls on all of them
+      const live = runners.filter((r) => r.run);
+      for (const r of live) {
+        r.times = [];
+        await r.run.warm();
+      }
+      for (let round = 0; round < repeat; round++) {
+        for (let i = 0; i < live.length; i++) {
+          const r = live[(i + round) % live.length];
+          r.times.push(await r.run.timed());
+        }
+      }
+      for (const r of runners) {
+        const base = { case: c.name, kind: c.kind, tokens: c.tokens, contract: r.contract, implementation: r.implementation,
+          variant: r.variant, ep: r.ep, tolerance: tol };
+        if (!r.run) {
+          add({ ...base, unavailable: r.unavailable, ok: null, errors: null, ms: null, times: [], tokensPerSecond: null });
+          continue;
+        }
+        const { o, s } = await r.run.result();
+        const errors = { output: relativeError(f32(o), f32(expected.o.data)),
+          state: relativeError(f32(s), f32(expected[r.stateKey].data)) };
+        const ms = median(r.times);
+        add({ ...base, errors, ok: errors.output <= tol && errors.state <= tol, ms, times: r.times,
+          tokensPerSecond: (1000 * tokens) / ms, ...(r.run.stateUpdate ? { stateUpdate: r.run.stateUpdate } : {}) });
+      }
+      for (const b of made) b.destroy();
+    }
+  } finally {
+    // (releasing the last session destroys onnxruntime's device, which it logs: kept apart)
+    await capturingLogs(async () => {
+      for (const s of [...Object.values(sessions), laProbe.session, gdnWebgpu.session, gdnWasm?.session]) await s?.release();
+    });
+  }
+  // ratios: card tokens/s over onnxruntime-web's for the same numbers; GatedDeltaNet, which
+  // onnxruntime-web cannot run, against its LinearAttention node (the same recurrence)
+  const ratios = [];
+  for (const r of rows.filter((x) => x.implementation.startsWith("card"))) {
+    const same = rows.find((x) => x.case === r.case && x.contract === r.contract && x.implementation.startsWith("onnxruntime") && x.ms);
+    const against = same ?? rows.find((x) => x.case === r.case && x.contract === LA && x.implementation.startsWith("onnxruntime") && x.ms);
+    r.ratio = against ? r.tokensPerSecond / against.tokensPerSecond : null;
+    r.ratioAgainst = against ? against.implementation : null;
+    ratios.push({ case: r.case, contract: r.contract, card: r.implementation, variant: r.variant, ratio: r.ratio, against: r.ratioAgainst });
+  }
+  return {
+    adapter: [adapterInfo.vendor, adapterInfo.architecture, adapterInfo.description].filter(Boolean).join(" "),
+    device: { features: [...device.features], limits: Object.fromEntries(["maxStorageBuffersPerShaderStage",
+      "maxComputeWorkgroupStorageSize", "maxComputeInvocationsPerWorkgroup", "maxStorageBufferBindingSize"].map((k) => [k, device.limits[k]])) },
+    ort: { versions: ort.env.versions, bundle: "ort.webgpu.bundle.min.mjs", numThreads: ort.env.wasm.numThreads },
+    shape: { B: 1, H, K, V, dtype: index.dtype }, tolerance: tol, repeat, generator: index.generator,
+    placement, rows, ratios, ortShaders: Object.fromEntries(ortShaders),
+  };
+}
+
+// ---- the page's table -----------------------------------------------------------------------------
+
+export function tableRow(r) {
+  const e = (x) => (x == null ? "" : x.toExponential(2));
+  return [r.case, r.contract.replace("com.microsoft.", ""), r.implementation + (r.variant ? ` [${r.variant}]` : ""),
+    r.ep ?? "", r.errors ? `${e(r.errors.output)} / ${e(r.errors.state)}` : "",
+    r.unavailable ? "n/a" : r.ok ? "pass" : "FAIL", r.ms == null ? "" : r.ms.toFixed(1),
+    r.tokensPerSecond == null ? "" : r.tokensPerSecond.toFixed(0),
+    r.ratio == null ? "" : `${r.ratio.toFixed(2)}x${r.ratioAgainst && !r.ratioAgainst.endsWith(r.contract) ? " (vs ORT LinearAttention)" : ""}`];
+}
