@@ -197,29 +197,35 @@ function ortFeeds(set, H, K, V, state) {
 // timed() makes one timed call (prefill) or one decode loop and returns ms per call (per step);
 // result() reads back the outputs of its last timed call (or loop) and frees what it holds.
 
-function prefillCard(kernel, contract, dev, variant) {
-  const { H, K, V } = dev;
-  const inputs = cardInputs(contract, dev.sets[0], H, K, V, contract === GDN ? dev.s0vk : dev.s0kv);
-  const [oKey, sKey] = contract === GDN ? ["outputT", "finalStateT"] : ["oT", "stateT"];
-  const release = (out) => { for (const x of Object.values(out)) x.buffer.destroy(); };
-  const call = () => kernel(inputs, { resident: true, variant });
+// A prefill runner around `call` (resolves once its GPU work is done); `free(out)` releases an
+// output set, `read(out)` reads { o, s } back; `warmCall` wraps the untimed first call.
+function prefillRunner(call, free, read, warmCall = (f) => f()) {
   let last = null;
   return {
-    warm: async () => release(await call()),
+    warm: async () => free(await warmCall(call)),
     async timed() {
-      if (last) release(last);
+      if (last) free(last);
       last = null;
       const t0 = performance.now();
       last = await call();
       return performance.now() - t0;
     },
     async result() {
-      const o = await readBuffer(kernel.device, last[oKey].buffer, numel(last[oKey].shape));
-      const s = await readBuffer(kernel.device, last[sKey].buffer, numel(last[sKey].shape));
-      release(last);
-      return { o, s };
+      const r = await read(last);
+      free(last);
+      return r;
     },
   };
+}
+
+function prefillCard(kernel, contract, dev, variant) {
+  const { H, K, V } = dev;
+  const inputs = cardInputs(contract, dev.sets[0], H, K, V, contract === GDN ? dev.s0vk : dev.s0kv);
+  const [oKey, sKey] = contract === GDN ? ["outputT", "finalStateT"] : ["oT", "stateT"];
+  return prefillRunner(() => kernel(inputs, { resident: true, variant }),
+    (out) => { for (const x of Object.values(out)) x.buffer.destroy(); },
+    async (out) => ({ o: await readBuffer(kernel.device, out[oKey].buffer, numel(out[oKey].shape)),
+      s: await readBuffer(kernel.device, out[sKey].buffer, numel(out[sKey].shape)) }));
 }
 
 function prefillOrt(session, device, dev) {
@@ -230,24 +236,9 @@ function prefillOrt(session, device, dev) {
     await device.queue.onSubmittedWorkDone();     // run() returns once the work is submitted
     return out;
   };
-  const dispose = (out) => { for (const x of Object.values(out)) x.dispose(); };
-  let last = null;
-  return {
-    warm: async () => dispose(await untimed(call)),
-    async timed() {
-      if (last) dispose(last);
-      last = null;
-      const t0 = performance.now();
-      last = await call();
-      return performance.now() - t0;
-    },
-    async result() {
-      const o = new Float32Array(await last.output.getData());
-      const s = new Float32Array(await last.present_state.getData());
-      dispose(last);
-      return { o, s };
-    },
-  };
+  return prefillRunner(call, (out) => { for (const x of Object.values(out)) x.dispose(); },
+    async (out) => ({ o: new Float32Array(await out.output.getData()), s: new Float32Array(await out.present_state.getData()) }),
+    untimed);
 }
 
 // decode: a loop of `steps` one-token calls, the state fed back on the device, each loop from a
