@@ -63,7 +63,8 @@ for (const device of ["webgpu", "wasm"]) {
 }
 
 // a folder that is not an export, a model too large for the page, a family transformers.js
-// lacks: each gets its message, and the next good folder still generates
+// lacks: each gets its message, and the next good folder still generates; a lost WebGPU device
+// gets its message too
 test("chromium: bad folders get a message in the page, then a good one runs", { timeout: 600_000 }, async () => {
   const bad = fs.mkdtempSync(path.join(os.tmpdir(), "deltarule-web-"));
   try {
@@ -98,6 +99,14 @@ test("chromium: bad folders get a message in the page, then a good one runs", { 
         assert.deepEqual((await press(page, "#generate")).runs.at(-1).tokens.length > 0, true);
       }
       await page.screenshot({ path: path.join(shots, "generate-error.png") });
+      // a lost WebGPU device (here destroyed by hand) is said in the page, not waited on
+      await page.evaluate(async () => {
+        const { transformersJs } = await import("./generate.js");
+        (await (await transformersJs()).env.backends.onnx.webgpu.device).destroy();
+      });
+      await page.waitForFunction(() => window.page.state === "error");
+      assert.match(await page.textContent("#error"), /WebGPU device lost \(destroyed\)/);
+      assert.equal(await page.isDisabled("#generate"), true);
     });
   } finally {
     fs.rmSync(bad, { recursive: true, force: true });
