@@ -241,6 +241,26 @@ function prefillOrt(session, device, dev) {
     untimed);
 }
 
+// A decode runner: `reset()` makes a fresh copy of the initial state (before the clock starts),
+// `step(set)` one token with the state fed back, `read()` the outputs of the last loop and the
+// final state; `warmCall` wraps the untimed warm-up step.
+function decodeRunner(sets, stateUpdate, reset, step, read, warmCall = (f) => f()) {
+  return {
+    stateUpdate,
+    async warm() {
+      await reset();
+      await warmCall(() => step(sets[0]));
+    },
+    async timed() {
+      await reset();
+      const t0 = performance.now();
+      for (const set of sets) await step(set);
+      return (performance.now() - t0) / sets.length;
+    },
+    result: read,
+  };
+}
+
 // decode: a loop of `steps` one-token calls, the state fed back on the device, each loop from a
 // fresh copy of the initial state (made before the clock starts); warm() is one step on a copy.
 function decodeCard(kernel, contract, dev) {
@@ -267,26 +287,14 @@ function decodeCard(kernel, contract, dev) {
       state = out[sKey].buffer;
     }
   };
-  return {
-    stateUpdate: contract === GDN ? "final state buffer fed back" : "slab updated in place",
-    async warm() {
-      await reset();
-      await step(sets[0]);
-    },
-    async timed() {
-      await reset();
-      const t0 = performance.now();
-      for (const set of sets) await step(set);
-      return (performance.now() - t0) / sets.length;
-    },
-    async result() {
+  return decodeRunner(sets, contract === GDN ? "final state buffer fed back" : "slab updated in place", reset, step,
+    async () => {
       const o = new Float32Array(sets.length * H * V);
       for (let n = 0; n < outs.length; n++) o.set(await readBuffer(device, outs[n], H * V), n * H * V);
       const s = await readBuffer(device, state, H * K * V);
       for (const b of [...outs, state]) b.destroy();
       return { o, s };
-    },
-  };
+    });
 }
 
 function decodeOrt(session, device, dev) {
@@ -316,26 +324,14 @@ function decodeOrt(session, device, dev) {
     if (state.gpuBuffer !== first) state.dispose();
     state = out.present_state;
   };
-  return {
-    stateUpdate: "present_state tensor fed back as past_state",
-    async warm() {
-      await reset();
-      await untimed(() => step(sets[0]));
-    },
-    async timed() {
-      await reset();
-      const t0 = performance.now();
-      for (const set of sets) await step(set);
-      return (performance.now() - t0) / sets.length;
-    },
-    async result() {
+  return decodeRunner(sets, "present_state tensor fed back as past_state", reset, step,
+    async () => {
       const o = new Float32Array(sets.length * H * V);
       for (let n = 0; n < outs.length; n++) o.set(new Float32Array(await outs[n].getData()), n * H * V);
       const s = new Float32Array(await state.getData());
       free();
       return { o, s };
-    },
-  };
+    }, untimed);
 }
 
 // ---- the whole comparison -----------------------------------------------------------------------
