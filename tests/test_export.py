@@ -347,27 +347,11 @@ def test_genai_config_is_written_for_the_families_genai_runs(exported, family):
         assert decoder["outputs"]["present_recurrent_names"] % 0 in ex.outputs
 
 
-def _qwen3_5_conditional_generation(directory):
-    """A tiny Qwen3.5 checkpoint as Qwen publishes them: Qwen3_5ForConditionalGeneration, a
-    vision tower beside the text model (random weights)."""
-    text = checkpoints.config("qwen3_5").to_dict()
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
-                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
-    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=250,
-                                        video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
-    config.architectures = ["Qwen3_5ForConditionalGeneration"]
-    torch.manual_seed(0)
-    model = transformers.Qwen3_5ForConditionalGeneration(config)
-    checkpoints.spread_gates(model)
-    model.save_pretrained(directory)
-    return str(directory)
-
-
 def test_a_conditional_generation_checkpoint_gets_transformers_js_text_only_pair(tmp_path):
     """A published Qwen3.5 (Qwen3_5ForConditionalGeneration) is what transformers.js loads
     text-only as embed_tokens + decoder_model_merged (inputs_embeds in): the export writes that
     pair beside model.onnx, and the pair generates transformers' greedy tokens."""
-    ck = _qwen3_5_conditional_generation(tmp_path / "ck")
+    ck = checkpoints.save_conditional_generation("qwen3_5", str(tmp_path / "ck"))
     ex = deltarule.export.onnx(ck, str(tmp_path / "out"))
     assert set(ex.text_only) == {"embed_tokens", "decoder_model_merged"}
     merged = onnx.load(ex.text_only["decoder_model_merged"])

@@ -72,25 +72,6 @@ def tokenizer(directory: str) -> transformers.PreTrainedTokenizerFast:
     return fast
 
 
-def conditional_generation(family: str, directory: str, shape: str = "tiny") -> str:
-    """A Qwen3.5 / Qwen3.5-MoE checkpoint as Qwen publishes them: ...ForConditionalGeneration,
-    a small vision tower beside the text model (random weights)."""
-    text = checkpoints.config(family, shape, vocab_size=VOCAB).to_dict()
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
-                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
-    cls, model_cls = {"qwen3_5": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration),
-                      "qwen3_5_moe": (transformers.Qwen3_5MoeConfig,
-                                      transformers.Qwen3_5MoeForConditionalGeneration)}[family]
-    config = cls(text_config=text, vision_config=vision, image_token_id=VOCAB - 4, video_token_id=VOCAB - 3,
-                 vision_start_token_id=VOCAB - 2, vision_end_token_id=VOCAB - 1)
-    config.architectures = [model_cls.__name__]
-    torch.manual_seed(0)
-    model = model_cls(config)
-    checkpoints.spread_gates(model)
-    model.save_pretrained(directory)
-    return directory
-
-
 def greedy(checkpoint: str, ids: list[int]) -> list[int]:
     """transformers' greedy tokens after `ids`, its own PyTorch model and kernels."""
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
@@ -119,7 +100,7 @@ def build(name: str, out: str, work: str) -> dict:
     family, kind = MODELS[name]
     ck = os.path.join(work, name)
     if kind == "conditional_generation":
-        conditional_generation(family, ck)
+        checkpoints.save_conditional_generation(family, ck, vocab_size=VOCAB)
     else:
         checkpoints.save(family, ck, vocab_size=VOCAB)
     tok = tokenizer(ck)

@@ -113,6 +113,32 @@ def save(family: str, directory: str, *, shape: str = "tiny", dtype: str = "floa
     return directory
 
 
+def save_conditional_generation(family: str, directory: str, *, vocab_size: int | None = None, seed: int = 0) -> str:
+    """A tiny Qwen3.5 / Qwen3.5-MoE checkpoint as Qwen publishes them (``...ForConditionalGeneration``:
+    a one-block vision tower beside `family`'s tiny text model; random weights, `seed`), saved to
+    `directory`. The image / video / vision start / end token ids are the vocabulary's last four.
+    Returns `directory`."""
+    import torch
+    import transformers
+    classes = {"qwen3_5": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration),
+               "qwen3_5_moe": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration)}
+    if family not in classes:
+        raise ValueError(f"{family!r} has no ForConditionalGeneration form here: one of {tuple(classes)}")
+    config_class, model_class = classes[family]
+    text = config(family, vocab_size=vocab_size).to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
+    top = text["vocab_size"]
+    cfg = config_class(text_config=text, vision_config=vision, image_token_id=top - 4, video_token_id=top - 3,
+                       vision_start_token_id=top - 2, vision_end_token_id=top - 1)
+    cfg.architectures = [model_class.__name__]
+    torch.manual_seed(seed)
+    model = model_class(cfg)
+    spread_gates(model)
+    model.save_pretrained(directory)
+    return directory
+
+
 def spread_gates(model) -> None:
     """Random A_log in [0, 1) and dt_bias in [0, 2), in place: transformers initializes some
     gates at 0 / 1, where every head decays alike."""
