@@ -4,7 +4,9 @@
 //   node prefill-bench.js [TOKENS ...] [--shape tiny|tiny_0_8b_heads] [--device webgpu|wasm] [--repeat N]
 //
 // One JSON line per (shape, device, tokens): fused and Scan tokens/s (median of N runs after a
-// warm-up run) and their ratio; then the adapter.
+// warm-up run; the fused export's runs first, then the Scan's, each in its own session), their
+// ratio and its spread over the runs; then the adapter. onnxruntime-web's WASM runs one thread
+// (the page is not cross-origin isolated).
 import path from "node:path";
 import { serve, withChromium } from "./test/gpu.js";
 import { modelIndex, modelsRoot, timePrefill, webRoot } from "./test/page.js";
@@ -26,10 +28,14 @@ try {
       const pair = ["fused", "scan"].map((kind) => index.scan.find((m) => m.shape === shape && m.kind === kind));
       for (const device of devices) {
         for (const tokens of lengths) {
-          const rates = await timePrefill(page, pair.map((m) => path.join(modelsRoot, m.folder)), device, tokens, repeat);
-          const [fused, scan] = pair.map((m) => rates[m.folder]);
-          console.log(JSON.stringify({ shape, device, tokens, fused: Math.round(fused), scan: Math.round(scan),
-            ratio: Number((fused / scan).toFixed(2)) }));
+          const rates = await timePrefill(page, pair.map((m) => path.join(modelsRoot, m.name)), device, tokens, repeat);
+          const [fused, scan] = pair.map((m) => rates[m.name]);
+          const round = (runs) => runs.map((x) => Math.round(x));
+          console.log(JSON.stringify({ shape, device, tokens, fused: Math.round(fused.median), scan: Math.round(scan.median),
+            ratio: Number((fused.median / scan.median).toFixed(2)),
+            // the ratio's spread: slowest fused over fastest Scan .. fastest fused over slowest Scan
+            spread: [fused.runs[0] / scan.runs.at(-1), fused.runs.at(-1) / scan.runs[0]].map((x) => Number(x.toFixed(2))),
+            fusedRuns: round(fused.runs), scanRuns: round(scan.runs) }));
         }
       }
     }

@@ -34,7 +34,7 @@ for (const device of ["webgpu", "wasm"]) {
         await page.fill("#prompt", index.prompt);
         await page.fill("#max-new-tokens", String(index.max_new_tokens));
         for (const m of index.models) {
-          const loaded = await pick(page, path.join(modelsRoot, m.folder), device);
+          const loaded = await pick(page, path.join(modelsRoot, m.name), device);
           if (m.transformers_js) {        // a model type transformers.js does not register: said in the page
             assert.equal(loaded.state, "error", `${m.name} loaded`);
             assert.match(loaded.error, new RegExp(`cannot run model type "${m.model_type}"`));
@@ -73,7 +73,7 @@ test("chromium: bad folders get a message in the page, then a good one runs", { 
     const large = path.join(bad, "too-large");
     fs.mkdirSync(path.join(large, "onnx"), { recursive: true });
     for (const f of ["config.json", "tokenizer.json", "tokenizer_config.json"]) {
-      fs.copyFileSync(path.join(modelsRoot, good.folder, f), path.join(large, f));
+      fs.copyFileSync(path.join(modelsRoot, good.name, f), path.join(large, f));
     }
     fs.writeFileSync(path.join(large, "onnx", "model.onnx"), "");
     fs.truncateSync(path.join(large, "onnx", "model.onnx"), 4.5 * 1024 ** 3);
@@ -82,7 +82,7 @@ test("chromium: bad folders get a message in the page, then a good one runs", { 
       [path.join(webRoot, "cards", "deltarule.LinearAttention"), /is not a model export: it has no config\.json/],
       [path.join(webRoot, "test"), /is not a model export/],
       [large, /too large for this page: its graphs and weights are 4\.50 GiB.*at most 4\.00 GiB/],
-      [path.join(modelsRoot, unsupported.folder), /cannot run model type/],
+      [path.join(modelsRoot, unsupported.name), /cannot run model type/],
     ];
     await onPage(async (page) => {
       for (const device of ["wasm", "webgpu"]) {
@@ -93,7 +93,7 @@ test("chromium: bad folders get a message in the page, then a good one runs", { 
           assert.equal(await page.textContent("#error"), state.error);
           assert.equal(await page.isDisabled("#generate"), true);
         }
-        const state = await pick(page, path.join(modelsRoot, good.folder), device);
+        const state = await pick(page, path.join(modelsRoot, good.name), device);
         assert.equal(state.state, "ready", state.error);
         assert.equal(await page.textContent("#error"), "");
         assert.deepEqual((await press(page, "#generate")).runs.at(-1).tokens.length > 0, true);
@@ -120,8 +120,8 @@ test("chromium: Time prefill runs on the fused export and its Scan twin", { time
   assert.deepEqual(pair.map((m) => m.kind), ["fused", "scan"]);
   await onPage(async (page) => {
     for (const device of ["wasm", "webgpu"]) {
-      const rates = await timePrefill(page, pair.map((m) => path.join(modelsRoot, m.folder)), device, 128);
-      const [fused, scan] = pair.map((m) => rates[m.folder]);
+      const rates = await timePrefill(page, pair.map((m) => path.join(modelsRoot, m.name)), device, 128);
+      const [fused, scan] = pair.map((m) => rates[m.name].median);
       assert.ok(fused > 0 && scan > 0, JSON.stringify(rates));
       t.diagnostic(`${device}: prefill 128 tokens, fused ${fused.toFixed(0)} tokens/s, Scan ${scan.toFixed(0)} tokens/s, ` +
         `${(fused / scan).toFixed(2)}x`);

@@ -35,8 +35,9 @@ export async function press(page, button) {
   return page.evaluate(() => window.page);
 }
 
-// Prefill tokens/s of each export in `folders` on `device` for a prompt of `tokens` tokens:
-// one warm-up run (shader and kernel compilation), then the median of `repeat`.
+// Prefill tokens/s of each export in `folders` on `device` for a prompt of `tokens` tokens, one
+// export after the other: loaded, one warm-up run (shader and kernel compilation), then `repeat`
+// timed runs. Returns { folder name: { median, runs } } (runs: tokens/s, sorted).
 export async function timePrefill(page, folders, device, tokens, repeat = 1) {
   const rates = {};
   for (const folder of folders) {
@@ -50,7 +51,7 @@ export async function timePrefill(page, folders, device, tokens, repeat = 1) {
       if (i > 0) runs.push(after.runs.at(-1).prefillTokensPerSecond);
     }
     runs.sort((a, b) => a - b);
-    rates[path.basename(folder)] = runs[Math.floor(runs.length / 2)];
+    rates[path.basename(folder)] = { median: runs[Math.floor(runs.length / 2)], runs };
   }
   return rates;
 }
