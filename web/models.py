@@ -6,9 +6,10 @@ tokens transformers generates for the same prompt, from its own PyTorch model.
     .venv/bin/python web/models.py web/models        # bash .ci/web test runs it
 
 Writes ``OUT/<name>/`` (an export folder: onnx/, config, tokenizer) and ``OUT/index.json``:
-``{"prompt", "max_new_tokens", "models": [{name, family, folder, architecture, prompt_ids,
-tokens, text, transformers_js}]}`` where ``transformers_js`` is null when transformers.js 4.3.2
-registers the model type, else why it does not (the test then expects its refusal).
+``{"prompt", "max_new_tokens", "models": [{name (its folder under OUT), family, architecture,
+model_type, prompt_ids, tokens, text, transformers_js}], "scan": [{name, shape, kind}]}``, where
+``transformers_js`` is null when transformers.js 4.3.2 registers the model type, else why it
+does not (the test then expects its refusal).
 ``OUT/qwen3_5-<shape>/`` and ``OUT/qwen3_5-<shape>-scan/`` are one Qwen3.5 checkpoint exported
 fused and with each LinearAttention node replaced by its ``ai.deltarule`` function body (a
 ``Scan`` over tokens, as the first public exports ran), for the page's fused-vs-Scan prefill
@@ -19,6 +20,7 @@ heads), listed under ``scan`` in the index. Existing output is kept: delete OUT 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -58,18 +60,23 @@ NOT_IN_TRANSFORMERS_JS = {
 
 
 def tokenizer(directory: str) -> transformers.PreTrainedTokenizerFast:
-    """A byte-level BPE (Qwen's kind: ByteLevel pre-tokenizer and decoder) trained on CORPUS,
-    saved as tokenizer.json + tokenizer_config.json in `directory`."""
+    """The byte-level BPE of `_trained`, saved as tokenizer.json + tokenizer_config.json in `directory`."""
+    fast = _trained()
+    fast.save_pretrained(directory)
+    return fast
+
+
+@functools.cache
+def _trained() -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE (Qwen's kind: ByteLevel pre-tokenizer and decoder) trained on CORPUS, once."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=SPECIAL[0], bos_token=SPECIAL[1],
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=SPECIAL[0], bos_token=SPECIAL[1],
                                                 eos_token=SPECIAL[2])
-    fast.save_pretrained(directory)
-    return fast
 
 
 def greedy(checkpoint: str, ids: list[int]) -> list[int]:
@@ -106,15 +113,12 @@ def build(name: str, out: str, work: str) -> dict:
     tok = tokenizer(ck)
     ids = tok(PROMPT)["input_ids"]
     tokens = greedy(ck, ids)
-    folder = os.path.join(out, name)
-    ex = deltarule.export.onnx(ck, folder)
+    deltarule.export.onnx(ck, os.path.join(out, name))
     with open(os.path.join(ck, "config.json")) as f:
         config = json.load(f)
     model_type = config["model_type"]
-    return dict(name=name, family=family, folder=name, architecture=config["architectures"][0],
-                model_type=model_type, prompt_ids=ids, tokens=tokens,
-                text=tok.decode(tokens), files=sorted(os.path.relpath(p, folder) for p in
-                                                     [ex.path, *ex.text_only.values()]),
+    return dict(name=name, family=family, architecture=config["architectures"][0], model_type=model_type,
+                prompt_ids=ids, tokens=tokens, text=tok.decode(tokens),
                 transformers_js=NOT_IN_TRANSFORMERS_JS.get(model_type))
 
 
@@ -129,10 +133,11 @@ def scan_pair(out: str, work: str, shape: str) -> list[dict]:
     fused = os.path.join(out, f"qwen3_5-{shape}")
     ex = deltarule.export.onnx(ck, fused)
     scan = fused + "-scan"
-    shutil.copytree(fused, scan, ignore=shutil.ignore_patterns("*.onnx"))      # weights file shared by name
+    # config, tokenizer and any external weights file copied: the Scan graph names the same file
+    shutil.copytree(fused, scan, ignore=shutil.ignore_patterns("*.onnx"))
     scan_variant(ex.path, out=os.path.join(scan, "onnx", "model.onnx"))
-    return [dict(name=os.path.basename(fused), folder=os.path.basename(fused), shape=shape, kind="fused"),
-            dict(name=os.path.basename(scan), folder=os.path.basename(scan), shape=shape, kind="scan")]
+    return [dict(name=os.path.basename(fused), shape=shape, kind="fused"),
+            dict(name=os.path.basename(scan), shape=shape, kind="scan")]
 
 
 def main(argv=None) -> None:

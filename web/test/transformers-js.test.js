@@ -13,7 +13,7 @@ const index = modelIndex();
 
 for (const m of index.models) {
   test(`node/onnxruntime-node: ${m.name} (${m.architecture})`, { timeout: 300_000 }, async (t) => {
-    const folder = await folderFromPath(path.join(modelsRoot, m.folder));
+    const folder = await folderFromPath(path.join(modelsRoot, m.name));
     if (m.transformers_js) {
       await assert.rejects(openExport(folder, { device: "cpu" }), (e) => e instanceof ExportError &&
         e.message.includes(`transformers.js 4.3.2 cannot run model type "${m.model_type}"`));
