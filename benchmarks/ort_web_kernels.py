@@ -46,48 +46,30 @@ import time
 import numpy as np
 import onnx
 import torch
-from onnx import TensorProto, helper
 
 from deltarule import check
 from deltarule.cards.cases import TOL
 from deltarule.contracts import ort as ort_contract
-
-OPSETS = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
-
+from deltarule.peers import one_node_model
 
 def gated_delta_net_model(H: int, K: int, V: int) -> onnx.ModelProto:
     """One com.microsoft.GatedDeltaNet node: (1, S, H, D) inputs, V-major state (1, H, V, K)."""
-    f = TensorProto.FLOAT
-    inputs = [helper.make_tensor_value_info("query", f, [1, "S", H, K]),
-              helper.make_tensor_value_info("key", f, [1, "S", H, K]),
-              helper.make_tensor_value_info("value", f, [1, "S", H, V]),
-              helper.make_tensor_value_info("decay", f, [1, "S", H]),
-              helper.make_tensor_value_info("beta", f, [1, "S", H]),
-              helper.make_tensor_value_info("initial_state", f, [1, H, V, K])]
-    outputs = [helper.make_tensor_value_info("output", f, [1, "S", H, V]),
-               helper.make_tensor_value_info("final_state", f, [1, H, V, K])]
-    node = helper.make_node("GatedDeltaNet", ["query", "key", "value", "", "decay", "beta", "initial_state"],
-                            ["output", "final_state"], domain="com.microsoft", update_rule="gated_delta")
-    return helper.make_model(helper.make_graph([node], "GatedDeltaNet", inputs, outputs),
-                             opset_imports=OPSETS, ir_version=10)
+    f = np.float32
+    return one_node_model(
+        "GatedDeltaNet", [("query", f, [1, "S", H, K]), ("key", f, [1, "S", H, K]), ("value", f, [1, "S", H, V]), None,
+                          ("decay", f, [1, "S", H]), ("beta", f, [1, "S", H]), ("initial_state", f, [1, H, V, K])],
+        [("output", f, [1, "S", H, V]), ("final_state", f, [1, H, V, K])],
+        domain="com.microsoft", opset=21, ir_version=10, update_rule="gated_delta")
 
 
 def linear_attention_model(H: int, K: int, V: int) -> onnx.ModelProto:
     """One com.microsoft.LinearAttention node: packed (1, T, H * D), K-major state (1, H, K, V)."""
-    f = TensorProto.FLOAT
-    inputs = [helper.make_tensor_value_info("query", f, [1, "T", H * K]),
-              helper.make_tensor_value_info("key", f, [1, "T", H * K]),
-              helper.make_tensor_value_info("value", f, [1, "T", H * V]),
-              helper.make_tensor_value_info("past_state", f, [1, H, K, V]),
-              helper.make_tensor_value_info("decay", f, [1, "T", H]),
-              helper.make_tensor_value_info("beta", f, [1, "T", H])]
-    outputs = [helper.make_tensor_value_info("output", f, [1, "T", H * V]),
-               helper.make_tensor_value_info("present_state", f, [1, H, K, V])]
-    node = helper.make_node("LinearAttention", ["query", "key", "value", "past_state", "decay", "beta"],
-                            ["output", "present_state"], domain="com.microsoft", update_rule="gated_delta",
-                            q_num_heads=H, kv_num_heads=H)
-    return helper.make_model(helper.make_graph([node], "LinearAttention", inputs, outputs),
-                             opset_imports=OPSETS, ir_version=10)
+    f = np.float32
+    return one_node_model(
+        "LinearAttention", [("query", f, [1, "T", H * K]), ("key", f, [1, "T", H * K]), ("value", f, [1, "T", H * V]),
+                            ("past_state", f, [1, H, K, V]), ("decay", f, [1, "T", H]), ("beta", f, [1, "T", H])],
+        [("output", f, [1, "T", H * V]), ("present_state", f, [1, H, K, V])],
+        domain="com.microsoft", opset=21, ir_version=10, update_rule="gated_delta", q_num_heads=H, kv_num_heads=H)
 
 
 def draw(seed: int, T: int, H: int, K: int, V: int, decay: tuple[float, float]) -> dict[str, torch.Tensor]:

@@ -17,9 +17,37 @@ class PeerMissing(RuntimeError):
     """The peer runtime is not installed; the message says which and how to get it."""
 
 
+def one_node_model(op: str, inputs: list, outputs: list, *, domain: str = "", opset: int = 27,
+                   ir_version: int = 11, **attrs):
+    """A model of one `op` node (an ``onnx.ModelProto``).
+
+    Args:
+        op, domain: the operator (e.g. "GatedDeltaNet", "com.microsoft").
+        inputs: [(name, numpy dtype, shape)] in the operator's input order (a shape may hold
+            dimension names); ``None`` in place of a triple omits an optional input.
+        outputs: [(name, numpy dtype, shape or None)].
+        opset, ir_version: the default domain's opset and the model's IR version (onnxruntime-web
+            1.31 takes IR 10 at most).
+        attrs: the node's attributes.
+    """
+    try:
+        from onnx import helper
+    except ImportError as e:
+        raise PeerMissing("onnx is not installed (pip install 'deltarule[peers]')") from e
+    names = [x[0] if x is not None else "" for x in inputs]
+    while names and not names[-1]:
+        names.pop()
+    info = lambda name, dt, shape: helper.make_tensor_value_info(  # noqa: E731
+        name, helper.np_dtype_to_tensor_dtype(np.dtype(dt)), shape)
+    node = helper.make_node(op, names, [x[0] for x in outputs], domain=domain, **attrs)
+    graph = helper.make_graph([node], op, [info(*x) for x in inputs if x is not None], [info(*x) for x in outputs])
+    opsets = [helper.make_opsetid("", opset)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+    return helper.make_model(graph, opset_imports=opsets, ir_version=ir_version)
+
+
 def run_onnx_node(op: str, inputs: list, outputs: list, *, domain: str = "", runtime: str = "onnxruntime",
                   **attrs) -> list[np.ndarray]:
-    """Build a one-node model and run it.
+    """Build a one-node model (`one_node_model`, static shapes) and run it.
 
     Args:
         op, domain: the operator (e.g. "GatedDeltaNet", "com.microsoft").
@@ -30,25 +58,8 @@ def run_onnx_node(op: str, inputs: list, outputs: list, *, domain: str = "", run
             (`onnx.reference.ReferenceEvaluator`).
         attrs: the node's attributes.
     """
-    try:
-        from onnx import helper
-    except ImportError as e:
-        raise PeerMissing("onnx is not installed (pip install 'deltarule[peers]')") from e
-    names = [name if x is not None else "" for name, x in inputs]
-    while names and not names[-1]:
-        names.pop()
-    node = helper.make_node(op, names, [name for name, _ in outputs], domain=domain, **attrs)
-    graph = helper.make_graph(
-        [node], op,
-        [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(x.dtype), list(x.shape))
-         for name, x in inputs if x is not None],
-        [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(dt)), None)
-         for name, dt in outputs],
-    )
-    opsets = [helper.make_opsetid("", 27)]
-    if domain:
-        opsets.append(helper.make_opsetid(domain, 1))
-    model = helper.make_model(graph, opset_imports=opsets, ir_version=11)
+    model = one_node_model(op, [(name, x.dtype, list(x.shape)) if x is not None else None for name, x in inputs],
+                           [(name, dt, None) for name, dt in outputs], domain=domain, **attrs)
     feeds = {name: x for name, x in inputs if x is not None}
     if runtime == "reference":
         from onnx.reference import ReferenceEvaluator
