@@ -481,24 +481,30 @@ def conv1d_with_state(x, weight, bias, state, activation):
     B, C, T = x.shape
     W = weight.shape[-1]
     prior = x.new_zeros(B, C, W - 1) if state is None else state
-    full = torch.cat((prior.to(x.dtype), x), dim=-1)
-    y = F.conv1d(full.float(), weight.float().unsqueeze(1), None if bias is None else bias.float(), groups=C)
-    if activation == "silu":
-        y = F.silu(y)
+    # float32 before the concatenation: a float32 state beside a 16-bit x is not rounded to x's dtype
+    full = torch.cat((prior.float(), x.float()), dim=-1)
+    if C and T:
+        y = F.conv1d(full, weight.float().unsqueeze(1), None if bias is None else bias.float(), groups=C)
+        if activation == "silu":
+            y = F.silu(y)
+    else:                              # F.conv1d takes neither 0 groups nor an input shorter than W
+        y = x.new_empty(B, C, T)       # no outputs; the new state below is still (state, x)'s last W - 1
     return y.to(x.dtype), full[..., full.shape[-1] - (W - 1):].to(prior.dtype).clone()
 
 
 def _check_with_state(x, weight, bias, state, activation):
-    if activation not in ACTIVATIONS:
+    """`causal_conv1d_with_state`'s argument checks, every one before any work (ContractError)."""
+    if not (activation is None or isinstance(activation, str)) or activation not in ACTIVATIONS:
         raise ContractError("activation", " | ".join(repr(a) for a in ACTIVATIONS), repr(activation))
     _tensor("x", x, 3, _INPUT_TYPES, "[B, C, T]")
     B, C = x.shape[0], x.shape[1]
     flat = weight.squeeze(1) if isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.shape[1] == 1 \
         else weight
     W = max(flat.shape[-1], 1) if isinstance(flat, torch.Tensor) and flat.dim() == 2 else 1
-    _tensor("weight", flat, 2, _INPUT_TYPES, f"[C, W] or [C, 1, W] with C = {C}, W >= 1", exact=(C, W))
+    # every tensor on x's device: torch would raise its own RuntimeError mid-call otherwise
+    _tensor("weight", flat, 2, _INPUT_TYPES, f"[C, W] or [C, 1, W] with C = {C}, W >= 1", x.device, (C, W))
     if bias is not None:
-        _tensor("bias", bias, 1, _INPUT_TYPES, f"[C] = [{C}] or None", exact=(C,))
+        _tensor("bias", bias, 1, _INPUT_TYPES, f"[C] = [{C}] or None", x.device, (C,))
     if state is not None:
-        _tensor("state", state, 3, _INPUT_TYPES, f"[B, C, W - 1] = [{B}, {C}, {W - 1}] or None",
-                exact=(B, C, W - 1))
+        _tensor("state", state, 3, _INPUT_TYPES, f"[B, C, W - 1] = [{B}, {C}, {W - 1}] or None", x.device,
+                (B, C, W - 1))

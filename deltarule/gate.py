@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ContractError
+from .validation import finite_float32
 
 __all__ = ["gate", "bounded_gate"]
 
@@ -107,19 +108,22 @@ def bounded_gate(
     `lower_bound` (fla's ``lower_bound`` gate of ``chunk_kda`` / ``fused_recurrent_kda``).
 
     Args:
-        g: [..., H, K] raw per-key gate, rank >= 2, any float dtype; the leading axes
-            are folded (any of them may be empty).
-        lower_bound: the bound, a Python number (negative for a decay).
-        A_log: optional [H] (or any shape of H elements) per-head log scale; None:
-            a scale of 1, lower_bound * sigmoid(g + dt_bias).
-        dt_bias: optional [H, K] (or [H * K]) per-key bias added to `g`; None: 0.
+        g: [..., H, K] raw per-key gate, rank >= 2, any floating-point dtype; the leading
+            axes are folded (any of them may be empty).
+        lower_bound: the bound, a real number finite in float32 (negative for a decay), or
+            a one-element real tensor.
+        A_log: optional [H] (or any shape of H elements) per-head log scale, floating-point,
+            on g's device; None: a scale of 1, lower_bound * sigmoid(g + dt_bias).
+        dt_bias: optional [H, K] (or [H * K]) per-key bias added to `g`, floating-point, on
+            g's device; None: 0.
 
     Returns:
         gk: [..., H, K] float32 (`g`'s shape), `linear_attention`'s per-key ``gk``.
 
     Raises:
-        ContractError: `g` not a tensor of rank >= 2, or `A_log` / `dt_bias` of another
-            element count, before any work.
+        ContractError: `g` not a floating-point tensor of rank >= 2, `A_log` / `dt_bias` of
+            another element count, dtype or device, or `lower_bound` not a real number finite
+            in float32, before any work.
 
     Example:
         >>> import torch
@@ -128,18 +132,53 @@ def bounded_gate(
         >>> gk.shape, gk.dtype, gk[0, 0, 0, 0].item()
         (torch.Size([1, 5, 2, 4]), torch.float32, -2.5)
     """
-    if not isinstance(g, torch.Tensor):
-        raise ContractError("g", "a torch.Tensor", type(g).__name__)
-    if g.dim() < 2:
-        raise ContractError("g", "a tensor of rank >= 2 ([..., H, K])", f"shape {list(g.shape)}")
+    bound = _check_bounded(g, lower_bound, A_log, dt_bias)
     H, K = g.shape[-2], g.shape[-1]
-    for name, x, count, layout in (("A_log", A_log, H, "[H]"), ("dt_bias", dt_bias, H * K, "[H, K] or [H * K]")):
-        if x is not None and (not isinstance(x, torch.Tensor) or x.numel() != count):
-            raise ContractError(name, f"None or a tensor of {count} elements ({layout}; g is [..., H, K])",
-                                getattr(x, "shape", type(x).__name__))
     x = g.to(torch.float32)
     if dt_bias is not None:
         x = x + dt_bias.reshape(H, K).to(torch.float32)
     if A_log is not None:
         x = torch.exp(A_log.reshape(H).to(torch.float32))[:, None] * x
-    return float(lower_bound) * torch.sigmoid(x)
+    return bound * torch.sigmoid(x)
+
+
+def _check_bounded(g, lower_bound, A_log, dt_bias) -> float:
+    """`bounded_gate`'s argument checks, every one before any work: lower_bound as a float, or
+    ContractError."""
+    if not isinstance(g, torch.Tensor):
+        raise ContractError("g", "a torch.Tensor", type(g).__name__)
+    if g.dim() < 2:
+        raise ContractError("g", "a tensor of rank >= 2 ([..., H, K])", f"shape {list(g.shape)}")
+    if not g.dtype.is_floating_point:            # .to(float32) would drop an imaginary part silently
+        raise ContractError("g", "a floating-point dtype", g.dtype)
+    H, K = g.shape[-2], g.shape[-1]
+    for name, x, count, layout in (("A_log", A_log, H, "[H]"), ("dt_bias", dt_bias, H * K, "[H, K] or [H * K]")):
+        if x is not None and (not isinstance(x, torch.Tensor) or x.numel() != count):
+            raise ContractError(name, f"None or a tensor of {count} elements ({layout}; g is [..., H, K])",
+                                getattr(x, "shape", type(x).__name__))
+        if x is not None and not x.dtype.is_floating_point:
+            raise ContractError(name, "a floating-point dtype", x.dtype)
+        if x is not None and x.device != g.device:
+            raise ContractError(name, f"device {g.device} (g's)", x.device)
+    return check_lower_bound(lower_bound)
+
+
+def check_lower_bound(lower_bound) -> float:
+    """`bounded_gate`'s lower_bound (also the fla drop-ins' safe_gate range check) as a Python
+    float: a real number (a 0-d NumPy array, a one-element real tensor) finite in float32, the
+    gate's precision (-1e39 would be a -inf decay, NaN a NaN one), or ContractError."""
+    value = lower_bound
+    if isinstance(lower_bound, torch.Tensor):
+        if lower_bound.numel() != 1 or lower_bound.dtype == torch.bool or lower_bound.is_complex():
+            raise ContractError("lower_bound", "a real number (or a one-element real tensor)",
+                                f"a {lower_bound.dtype} tensor of shape {list(lower_bound.shape)}")
+        if lower_bound.requires_grad and torch.is_grad_enabled():     # read as a number: no gradient flows
+            raise ContractError("lower_bound", "a number or a tensor that does not require grad (the bound is "
+                                "read as a constant)", "requires_grad=True")
+        value = lower_bound.item()
+    elif getattr(lower_bound, "ndim", None) == 0 and hasattr(lower_bound, "item"):     # a 0-d NumPy array
+        value = lower_bound.item()
+    if not finite_float32(value):
+        raise ContractError("lower_bound", "a real number finite in float32 (negative for a decay)",
+                            repr(lower_bound))
+    return float(value)

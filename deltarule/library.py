@@ -177,7 +177,8 @@ def conv1d_with_state(x, weight, bias, state, activation):
 
 def _conv_with_state_fake(x, weight, bias, state, activation):
     B, C = x.shape[0], x.shape[1]
-    return torch.empty_like(x), x.new_empty(B, C, weight.shape[-1] - 1)
+    # the new state in the state's dtype (x's without one), as `conv.conv1d_with_state` returns it
+    return torch.empty_like(x), (x if state is None else state).new_empty(B, C, weight.shape[-1] - 1)
 
 
 for _name, _impl, _fake in (("linear_attention", _linear_attention, _linear_attention_fake),

@@ -17,9 +17,12 @@ a wrong mapping.
 import inspect
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 
 pytest.importorskip("triton", reason="fla-core imports triton at import time: pip install triton")
 fla = pytest.importorskip(
@@ -43,6 +46,7 @@ import deltarule
 from deltarule.contracts import fla as dfla
 
 from conftest import rel
+from test_properties import examples
 
 TOL = 1e-5
 F32 = torch.float32
@@ -577,3 +581,144 @@ def test_drop_in_gradients(name, varlen, monkeypatch):
     for n in tensors:
         assert rel(grads[n], oracle[n]) < 1e-4, (n, rel(grads[n], oracle[n]))
         assert rel(grads[n], naive_grads[n]) < 1e-4, (n, rel(grads[n], naive_grads[n]))
+
+
+# --- adversarial calls: a ContractError naming the argument, before any work (issue 46) ----------
+
+# each drop-in's tensor arguments, by fla's name, and the inputs() entry a valid call passes
+DROP_INS = {
+    "chunk_gated_delta_rule": dict(q="q", k="k", v="v", g="g", beta="beta"),
+    "fused_recurrent_gated_delta_rule": dict(q="q", k="k", v="v", g="g", beta="beta"),
+    "chunk_kda": dict(q="q", k="k", v="v", g="gk", beta="beta"),
+    "fused_recurrent_kda": dict(q="q", k="k", v="v", g="gk", beta="beta"),
+    "chunk_gdn2": dict(q="q", k="k", v="v", g="gk", b="b", w="w"),
+    "fused_recurrent_gdn2": dict(q="q", k="k", v="v", g="gk", b="b", w="w"),
+}
+# the error may name the argument as linear_attention knows it (fla's KDA g is its gk, b / w erase / write)
+KNOWN_AS = {"g": ("g", "gk"), "b": ("b", "erase"), "w": ("w", "write")}
+BAD_TENSORS = {
+    "rank-1": lambda x: x.flatten()[:3], "rank+1": lambda x: x[..., None], "rank-3": lambda x: x[..., 0],
+    "int32": lambda x: x.to(torch.int32), "complex64": lambda x: x.to(torch.complex64),
+    "bool": lambda x: x.bool(), "float64": lambda x: x.double(), "list": lambda x: x.tolist(), "str": lambda x: "x",
+}
+BAD_SCALARS = [float("nan"), float("inf"), -1e39, "-1", True, 1j, None, torch.tensor([1.0, 2.0]), [1.0]]
+
+
+def _drop_in_call(name, intermediate=False, **over):
+    """A valid call of drop-in `name` (B = 2, T = 37: one partial chunk), with `over` replacing
+    arguments; with `intermediate`, return_intermediate_states=True (in inference mode)."""
+    x = inputs(46, T=37, K=8, V=8)
+    args = {n: x[e] for n, e in DROP_INS[name].items()}
+    args.update(initial_state=x["h0"][:, :, :8, :8].contiguous(), output_final_state=True)
+    if intermediate:
+        args["return_intermediate_states"] = True
+    args.update(over)
+    return args
+
+
+def _refused(name, argument, args, intermediate=False):
+    """The drop-in raises a ContractError naming `argument` and leaves initial_state as it was."""
+    h0 = args["initial_state"]
+    before = h0.clone() if isinstance(h0, torch.Tensor) else None
+    with torch.inference_mode(intermediate), pytest.raises(deltarule.ContractError) as info:
+        getattr(dfla, name)(**args)
+    assert info.value.argument in KNOWN_AS.get(argument, (argument,)), info.value
+    if before is not None:
+        assert torch.equal(h0, before), "refused, but initial_state was modified"
+
+
+@examples(60)
+@given(name=st.sampled_from(sorted(DROP_INS)), bad=st.sampled_from(sorted(BAD_TENSORS)), data=st.data())
+def test_a_bad_tensor_is_named(name, bad, data):
+    """Any tensor argument of the wrong rank, dtype or type (an int, complex, bool or float64 q
+    among float32 k / v was upcast silently; return_intermediate_states read shapes first, an
+    IndexError) is a ContractError naming it, on every drop-in and both output paths."""
+    argument = data.draw(st.sampled_from(sorted(DROP_INS[name])), label="argument")
+    intermediate = name in ("chunk_kda", "chunk_gdn2") and data.draw(st.booleans(), label="intermediate")
+    args = _drop_in_call(name, intermediate)
+    args[argument] = BAD_TENSORS[bad](args[argument])
+    _refused(name, argument, args, intermediate)
+
+
+@examples(40)
+@given(name=st.sampled_from(sorted(DROP_INS)), value=st.sampled_from(BAD_SCALARS[:-3] + BAD_SCALARS[-2:]))
+def test_a_bad_scale_is_named(name, value):
+    """scale NaN, inf, overflowing float32, a string, a bool, complex, a tensor of two: refused."""
+    _refused(name, "scale", _drop_in_call(name, scale=value))
+
+
+@examples(40)
+@given(name=st.sampled_from(["chunk_kda", "fused_recurrent_kda", "chunk_gdn2", "fused_recurrent_gdn2"]),
+       value=st.sampled_from(BAD_SCALARS[:-3] + [BAD_SCALARS[-2], BAD_SCALARS[-1], np.array([-1.0])]),
+       safe_gate=st.booleans())
+def test_a_bad_lower_bound_is_named(name, value, safe_gate):
+    """fla's bounded gate: a lower_bound that is no real number finite in float32 (a string with
+    safe_gate=True raised TypeError, -1e39 gave a -inf decay) is refused, with or without safe_gate."""
+    over = dict(use_gate_in_kernel=True, lower_bound=value, A_log=torch.zeros(2))
+    if name.startswith("chunk"):
+        over["safe_gate"] = safe_gate
+    _refused(name, "lower_bound", _drop_in_call(name, **over))
+
+
+@pytest.mark.parametrize("value", ["2", True, 1.5, [1], -1], ids=repr)
+def test_a_bad_max_num_seqs_is_named(value):
+    """With use_graph, max_num_seqs an int >= 0 (a string raised TypeError, True passed as 1)."""
+    args = _drop_in_call("chunk_kda", use_graph=True, max_num_seqs=value, cu_seqlens=torch.tensor([0, 20, 37]))
+    args.update({n: args[n][:1] for n in ("q", "k", "v", "g", "beta")})
+    _refused("chunk_kda", "max_num_seqs", args)
+
+
+@pytest.mark.parametrize("over, argument", [
+    (dict(cu_seqlens=5, use_graph=True, max_num_seqs=1), "cu_seqlens"),
+    (dict(cu_seqlens=torch.tensor(5), use_graph=True, max_num_seqs=1), "cu_seqlens"),
+    (dict(cu_seqlens="x", cu_seqlens_cpu=torch.tensor([0, 37])), "cu_seqlens"),
+    (dict(chunk_size=np.array([64, 32])), "chunk_size"), (dict(chunk_size=torch.tensor([64, 32])), "chunk_size"),
+    (dict(beta=torch.complex64, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True), "beta"),
+    (dict(beta=torch.int32, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True), "beta"),
+], ids=["cu-int-graph", "cu-0d-graph", "cu-str-cpu", "chunk-array", "chunk-tensor", "neg-eig-complex", "neg-eig-int"])
+def test_a_bad_option_is_named(over, argument):
+    """Options fla's helpers read before linear_attention does: len() of an int, torch.as_tensor of
+    a string, an ambiguous array comparison, sigmoid of a complex beta (its imaginary part dropped)."""
+    args = _drop_in_call("chunk_kda")
+    if isinstance(over.get("beta"), torch.dtype):                  # the valid beta in that dtype
+        over = {**over, "beta": args["beta"].to(over["beta"])}
+    args.update(over)
+    _refused("chunk_kda", argument, args)
+
+
+@pytest.mark.parametrize("argument, bad", [
+    ("g", torch.complex64), ("g", torch.int32), ("A_log", torch.complex64), ("dt_bias", torch.complex64),
+    ("A_log", "meta")], ids=str)
+def test_gdn_gate_in_kernel_with_gk_is_checked(argument, bad):
+    """fused_recurrent_gated_delta_rule forms g itself when gk comes too: a complex or int raw
+    gate lost its imaginary part or passed, an A_log on another device failed mid-call."""
+    x = inputs(47, K=8, V=8)
+    args = _drop_in_call("fused_recurrent_gated_delta_rule", gk=x["gk"][..., :8], use_gate_in_kernel=True,
+                         A_log=x["A_log"], dt_bias=x["dt_bias"])
+    args[argument] = args[argument].to(bad)
+    _refused("fused_recurrent_gated_delta_rule", argument, args)
+
+
+def test_mixed_float_dtypes_still_upcast():
+    """The upcast the drop-ins keep (fla reads every input in float32): float16 q beside float32
+    k / v is the float32 call, o in q's dtype."""
+    args = _drop_in_call("chunk_kda")
+    o, state = dfla.chunk_kda(**{**args, "q": args["q"].half()})
+    o_ref, state_ref = dfla.chunk_kda(**{**args, "q": args["q"].half().float()})
+    assert o.dtype == torch.float16 and torch.equal(o, o_ref.half()) and torch.equal(state, state_ref)
+
+
+@pytest.mark.parametrize("B, T", [(0, 37), (0, 0), (2, 0)])
+@pytest.mark.parametrize("name", ["chunk_kda", "chunk_gdn2"])
+def test_intermediate_states_of_an_empty_batch(name, B, T):
+    """B = 0 (a RuntimeError reshaping h before) or T = 0: h [B, ceil(T / 64), HV, K, V], the same
+    o and final state as without return_intermediate_states."""
+    args = _drop_in_call(name, intermediate=True)
+    args = {n: x[:B, :T] if n in DROP_INS[name] else x for n, x in args.items()}
+    args["initial_state"] = args["initial_state"][:B]
+    with torch.inference_mode():
+        o, final, h = getattr(dfla, name)(**args)
+        o_ref, final_ref = getattr(dfla, name)(**{**args, "return_intermediate_states": False})
+    assert h.shape == (B, -(-T // 64), 2, 8, 8) and torch.equal(o, o_ref) and torch.equal(final, final_ref)
+    if B and not T:
+        assert torch.equal(final, args["initial_state"])

@@ -10,6 +10,7 @@ must be refused before csrc/conv.c would read or write it.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -415,3 +416,88 @@ def test_conv_with_state_refuses(bad, argument):
     args.update(bad)
     with pytest.raises(ContractError, match=argument):
         causal_conv1d_with_state(**args, activation=activation)
+
+
+# --- causal_conv1d_with_state at every extent (issue 46) ----------------------------------------
+
+@st.composite
+def with_state_calls(draw):
+    """(x [B, C, T], weight [C, W] or [C, 1, W], bias or None, state [B, C, W - 1] or None,
+    activation) of a valid call, empty axes included: T = 0 (a call with no tokens), C = 0,
+    B = 0, W = 1; the state of x's dtype or float32."""
+    B, C, T, W = (draw(st.sampled_from(s)) for s in ([0, 1, 3], [0, 1, 5], [0, 1, 2, 7], [1, 2, 4]))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 16)))
+    x = torch.randn(B, C, T, generator=g).to(dtype)
+    weight = torch.randn(C, W, generator=g).to(dtype)
+    weight = weight[:, None] if draw(st.booleans()) else weight
+    bias = torch.randn(C, generator=g).to(dtype) if draw(st.booleans()) else None
+    state = torch.randn(B, C, W - 1, generator=g).to(draw(st.sampled_from([dtype, torch.float32]))) \
+        if draw(st.booleans()) else None
+    return x, weight, bias, state, draw(st.sampled_from([None, "silu"]))
+
+
+@examples(150)
+@given(call=with_state_calls())
+def test_conv_with_state_matches_float64_at_every_extent(call):
+    """y against the float64 `F.conv1d` reference, new_state the last W - 1 inputs of (state, x)
+    exactly, in the state's dtype: with T = 0 that is the state itself (a copy) or zeros, with
+    C = 0 an empty one (torch's conv1d refused both); the state is never modified."""
+    from deltarule.conv import causal_conv1d_with_state
+    x, weight, bias, state, activation = call
+    B, C, T = x.shape
+    W = weight.shape[-1]
+    before = None if state is None else state.clone()
+    y, new = causal_conv1d_with_state(x, weight, bias, state, activation=activation)
+    slab = (torch.zeros(B, C, W - 1) if state is None else state).transpose(1, 2)       # [B, W - 1, C]
+    want, want_slab = conv1d_reference(x.transpose(1, 2).reshape(B * T, C), weight.reshape(C, W), bias, slab,
+                                       lengths=[T] * B, read_rows=list(range(B)), write_rows=list(range(B)),
+                                       activation=activation)
+    assert y.shape == (B, C, T) and y.dtype == x.dtype
+    tol = 1e-6 if x.dtype == torch.float32 else 1e-2
+    got = y.transpose(1, 2).reshape(B * T, C).double()
+    assert got.numel() == 0 or (got - want).abs().max() <= tol * (1 + want.abs().max())
+    state_dtype = x.dtype if state is None else state.dtype
+    assert new.shape == (B, C, W - 1) and new.dtype == state_dtype
+    assert torch.equal(new, want_slab.transpose(1, 2).to(state_dtype)), "new_state: the last W - 1 inputs"
+    if state is not None:
+        assert torch.equal(state, before), "the state was modified"
+        if state.numel():
+            assert new.untyped_storage().data_ptr() != state.untyped_storage().data_ptr(), "not a copy"
+
+
+@pytest.mark.parametrize("x_shape, w", [((2, 3, 0), 4), ((2, 3, 0), 1), ((2, 0, 5), 4), ((2, 0, 0), 3)],
+                         ids=["T0", "T0-W1", "C0", "C0-T0"])
+def test_conv_with_state_of_no_tokens_or_channels(x_shape, w):
+    """The calls torch's conv1d refused (an input shorter than W, zero groups): an empty y,
+    new_state the given state (a float32 one beside a 16-bit x unrounded) or zeros; the traced
+    op (its fake included) agrees."""
+    from deltarule.conv import causal_conv1d_with_state
+    B, C, T = x_shape
+    x = torch.randn(x_shape).to(torch.bfloat16)
+    state = torch.randn(B, C, w - 1) + 1 / 3                     # float32 values bfloat16 cannot hold
+    y, new = causal_conv1d_with_state(x, torch.ones(C, w, dtype=torch.bfloat16), None, state, activation="silu")
+    assert y.shape == x_shape and y.dtype == torch.bfloat16
+    assert torch.equal(new, state[..., T:] if T < w else x[..., T - (w - 1):].float())
+    y, new = causal_conv1d_with_state(x, torch.ones(C, w, dtype=torch.bfloat16))
+    assert y.shape == x_shape and new.shape == (B, C, w - 1) and not new.any()
+    op = torch.ops.deltarule.causal_conv1d_with_state.default
+    for s in (None, state.to(torch.bfloat16), state):                # a float32 state beside bfloat16 x too
+        torch.library.opcheck(op, (x, torch.ones(C, w, dtype=torch.bfloat16), None, s, "silu"),
+                              test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("bad, argument", [
+    (dict(weight=torch.zeros(5, 4, device="meta")), "weight"), (dict(bias=torch.zeros(5, device="meta")), "bias"),
+    (dict(state=torch.zeros(2, 5, 3, device="meta")), "state"), (dict(activation=["silu"]), "activation"),
+    (dict(activation=np.array([1, 2])), "activation"), (dict(x=torch.zeros(2, 5, 3, dtype=torch.complex64)), "x")],
+    ids=["weight-device", "bias-device", "state-device", "activation-list", "activation-array", "x-complex"])
+def test_conv_with_state_refuses_before_torch_does(bad, argument):
+    """An argument on another device than x, or an activation that compares ambiguously: a
+    ContractError naming it (torch's RuntimeError mid-call, numpy's ValueError, before)."""
+    from deltarule.conv import causal_conv1d_with_state
+    args = dict(x=torch.zeros(2, 5, 3), weight=torch.zeros(5, 4), bias=None, state=torch.zeros(2, 5, 3),
+                activation=None)
+    args.update(bad)
+    with pytest.raises(ContractError, match=f"^{argument}: expected "):
+        causal_conv1d_with_state(**args)

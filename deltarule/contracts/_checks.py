@@ -32,6 +32,15 @@ def check_tensor(name, x, *, shape, letters, dtypes, device):
         raise ContractError(name, f"device {device} (query's)", x.device)
 
 
+def check_floating(name, x, *, device) -> None:
+    """`x` a real floating-point tensor on `device`: one the adapter converts to float32 itself,
+    where a complex one would lose its imaginary part and an int or bool one pass silently."""
+    if not x.is_floating_point():
+        raise ContractError(name, "a floating-point dtype", dtype_name(x.dtype))
+    if x.device != device:
+        raise ContractError(name, f"device {device}", x.device)
+
+
 def host_ints(name, x, *, length, letters, device) -> list[int]:
     """An int32 index vector of `length` entries on `device`, read to the host."""
     check_tensor(name, x, shape=(length,), letters=letters, dtypes=(torch.int32,), device=device)

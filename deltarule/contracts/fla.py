@@ -41,13 +41,17 @@ change fla's result. See docs/contracts-fla.md for the full table.
 from __future__ import annotations
 
 import functools
+import numbers
 import warnings
 
 import torch
 
 from ..api import call as _call
 from ..errors import ContractError
-from ..gate import bounded_gate
+from ..gate import bounded_gate, check_lower_bound
+from ..problem import INPUT_DTYPES
+from ..validation import validate
+from ._checks import check_floating
 
 __all__ = [
     "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
@@ -118,13 +122,21 @@ _CHUNK_SIZE_MESSAGES = {
 
 
 def _check_chunk_size(fn: str, chunk_size, allowed: tuple[int, ...]) -> int:
-    if isinstance(chunk_size, bool) or chunk_size not in allowed:
+    if isinstance(chunk_size, bool) or not _one_of(chunk_size, allowed):
         error = ContractError("chunk_size", f"one of {allowed} for fla's {fn}", repr(chunk_size))
         # Still a ContractError (a ValueError, as fla raises) with argument / expected / actual,
         # but worded as fla words it: it names the argument, the allowed values and the value.
         error.args = (_CHUNK_SIZE_MESSAGES[fn].format(chunk_size),)
         raise error
     return int(chunk_size)
+
+
+def _one_of(x, allowed) -> bool:
+    """x == one of `allowed`; False where the comparison has no single truth value (an array)."""
+    try:
+        return x in allowed
+    except (TypeError, ValueError, RuntimeError):
+        return False
 
 
 def _check_heads(q, k):
@@ -139,15 +151,21 @@ def _check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu):
         return
     if cu_seqlens is None:
         raise ContractError("cu_seqlens_cpu", "None unless cu_seqlens is given", "a tensor")
-    if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.tolist() != torch.as_tensor(
-            cu_seqlens).tolist():
+    if not isinstance(cu_seqlens, torch.Tensor):
+        return                                    # let linear_attention name the bad cu_seqlens
+    if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.tolist() != cu_seqlens.tolist():
         raise ContractError("cu_seqlens_cpu", "a host copy equal to cu_seqlens", cu_seqlens_cpu)
 
 
 def _check_graph(use_graph, max_num_seqs, cu_seqlens):
     # CUDA/NPU graph capture is a scheduling matter; only fla's shape rule is kept.
-    if use_graph and cu_seqlens is not None and max_num_seqs is not None \
-            and len(cu_seqlens) - 1 != max_num_seqs:
+    if not use_graph or max_num_seqs is None:
+        return
+    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, numbers.Integral) or max_num_seqs < 0:
+        raise ContractError("max_num_seqs", "an int >= 0 or None (the sequences a captured graph holds)",
+                            repr(max_num_seqs))
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 \
+            and len(cu_seqlens) - 1 != max_num_seqs:     # another cu_seqlens: linear_attention names it
         raise ContractError("cu_seqlens", f"max_num_seqs + 1 = {max_num_seqs + 1} entries with use_graph",
                             f"{len(cu_seqlens)} entries")
 
@@ -157,12 +175,14 @@ def _beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval):
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ContractError("allow_neg_eigval", "False unless use_beta_sigmoid_in_kernel=True", True)
     if allow_neg_eigval and isinstance(beta, torch.Tensor):
+        check_floating("beta", beta, device=beta.device)     # before .to(float32) drops a complex part
         return 2.0 * torch.sigmoid(beta.to(torch.float32)), False          # fla: 2 * sigmoid(beta)
     return beta, bool(use_beta_sigmoid_in_kernel)
 
 
 def _check_headwise_beta(beta, v):
-    if isinstance(beta, torch.Tensor) and isinstance(v, torch.Tensor) and beta.dim() == v.dim():
+    # only beside a v of its rank 4: a v of another rank is v's error (linear_attention names it)
+    if isinstance(beta, torch.Tensor) and isinstance(v, torch.Tensor) and beta.dim() == v.dim() == 4:
         raise ContractError(
             "beta", "[B, T, HV] (a per-value beta [B, T, HV, V] scales the erase term per value "
                     "channel, which the contract's per-key erase gate cannot express)",
@@ -210,9 +230,11 @@ def _scalar_gate(g, gk, A_log, dt_bias, *, use_gate_in_kernel, fn):
     if gk is None:
         return {"g": g, "A_log": A_log, "dt_bias": dt_bias}    # -exp(A_log) * softplus(g + dt_bias)
     # With gk too, linear_attention's raw-gate arm would be ambiguous: form g here, in float32 (as fla does).
+    check_floating("g", g, device=g.device)       # converted to float32 here: not by linear_attention
     for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
         if not isinstance(x, torch.Tensor) or x.numel() != HV:
             raise ContractError(name, f"[HV] = [{HV}]", getattr(x, "shape", type(x).__name__))
+        check_floating(name, x, device=g.device)
     g = -torch.exp(A_log.reshape(HV).to(torch.float32)) * torch.nn.functional.softplus(
         g.to(torch.float32) + dt_bias.reshape(HV).to(torch.float32))
     return {"g": g, "gk": gk}
@@ -222,7 +244,7 @@ def _check_safe_gate(safe_gate, use_gate_in_kernel, lower_bound):
     if safe_gate and use_gate_in_kernel:
         if lower_bound is None:
             raise ContractError("lower_bound", "a value when safe_gate=True and use_gate_in_kernel=True", None)
-        if not -5 <= lower_bound < 0:
+        if not -5 <= check_lower_bound(lower_bound) < 0:     # a real number first: ContractError
             raise ContractError("lower_bound", "in the safe range [-5, 0)", lower_bound)
 
 
@@ -235,8 +257,9 @@ def _run(q, k, v, *, out_dtype_of, scale, initial_state, output_final_state, sta
     out_dtype = h_dtype = None
     if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
         out_dtype, h_dtype = (q if out_dtype_of == "q" else v).dtype, k.dtype
-        if not (q.dtype == k.dtype == v.dtype):
-            # fla's kernels read every input in float32: upcasting is exact.
+        if not (q.dtype == k.dtype == v.dtype) and {q.dtype, k.dtype, v.dtype} <= set(INPUT_DTYPES):
+            # fla's kernels read every input in float32: upcasting is exact (other dtypes, e.g.
+            # complex or int, go on as they are: linear_attention refuses them, as it would unmixed).
             q, k, v = (x.to(torch.float32) for x in (q, k, v))
     if isinstance(initial_state, torch.Tensor) and initial_state.is_floating_point() \
             and initial_state.dtype != torch.float32:
@@ -275,12 +298,10 @@ def _with_chunk_states(call, q, k, v, *, initial_state, state_v_first, cu_seqlen
     row; every other token stores nothing. The slab is in `call`'s layout (``[.., V, K]`` with
     ``state_v_first``), so that o and the final state come from the same kernel path as
     without ``return_intermediate_states`` (bit-identical)."""
-    from ..batch import build
-
+    # the plain call checked first, so that a bad argument is named before a shape is read here
+    spans = validate(q, k, v, initial_state=initial_state, cu_seqlens=cu_seqlens, **call.keywords).plan.spans
     B, T = q.shape[:2]
     HV, K, V = v.shape[2], k.shape[3], v.shape[3]
-    spans = build(B, T, q.device, cu_seqlens=cu_seqlens, seq_lens=None, state_indices=None,
-                  num_accepted_tokens=None, num_slots=None).spans
     N = len(spans)
     lengths = [span.end - span.start for span in spans]
     chunks = [-(-n // chunk_size) for n in lengths]
@@ -315,7 +336,8 @@ def _with_chunk_states(call, q, k, v, *, initial_state, state_v_first, cu_seqlen
     o, _ = call(q, k, v, initial_state=slab, cu_seqlens=cu_seqlens, state_indices=rows.to(q.device),
                 num_accepted_tokens=torch.ones(N, dtype=torch.int64, device=q.device))
     h, final = slab[:NT], slab[NT:NT + N]
-    h = h.reshape(1 if cu_seqlens is not None else B, -1, *h.shape[1:])
+    # dense: every row has ceil(T / chunk_size) chunks (named: -1 is ambiguous when B = 0)
+    h = h.reshape(1, NT, *h.shape[1:]) if cu_seqlens is not None else h.reshape(B, -(-T // chunk_size), *h.shape[1:])
     return o, final.contiguous(), h
 
 
