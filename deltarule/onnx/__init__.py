@@ -10,7 +10,10 @@ linear-attention nodes with deltarule.
 - `run(model, feeds)` / `Session(model)` (runner.py): evaluate a model in ONNX
   Runtime with every linear-attention node (`LinearAttention`-27,
   `com.microsoft.GatedDeltaNet`, `com.microsoft.LinearAttention`,
-  `ai.deltarule::LinearAttention`) computed by deltarule instead.
+  `ai.deltarule::LinearAttention`) computed by deltarule instead. The feeds are
+  checked against the graph's declared inputs first, as ONNX Runtime checks them
+  (`feeds.Inputs`: names, element type, rank, static dimensions; `ContractError`
+  naming the input).
 
 Needs the `onnx` package (and `onnxruntime` for `run` / `Session`). See docs/onnx.md.
 """

@@ -31,7 +31,6 @@ optionals).
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Mapping
 
 import numpy as np
@@ -41,6 +40,7 @@ from onnx import helper, numpy_helper
 from ..contracts import onnx as _onnx_contract
 from ..contracts import ort as _ort_contract
 from ..errors import ContractError
+from . import feeds as _feeds
 from . import ops as _ops
 
 __all__ = ["LINEAR_ATTENTION_OPS", "Session", "run", "is_linear_attention_node"]
@@ -224,25 +224,19 @@ class Session:
     """A model whose linear-attention nodes run in deltarule and the rest in ONNX Runtime.
 
     Args:
-        model: an onnx.ModelProto, serialized bytes or a path.
+        model: an onnx.ModelProto, serialized bytes or a path (an unreadable or truncated
+            file, or bytes that do not parse: `ContractError` naming ``model``).
         providers: ORT execution providers (default ["CPUExecutionProvider"]).
         sess_options: an onnxruntime.SessionOptions for the sub-model sessions.
 
     Attributes:
         input_names, output_names: the graph's.
+        inputs: the graph's declared inputs (`deltarule.onnx.feeds.Inputs`), read once.
         plan: the schedule, a list of ("ort", [node names]) and ("deltarule", node name).
     """
 
     def __init__(self, model, *, providers=None, sess_options=None):
-        if isinstance(model, (str, os.PathLike)):
-            model = onnx.load(os.fspath(model))
-        elif isinstance(model, (bytes, bytearray)):
-            try:
-                model = onnx.load_from_string(bytes(model))
-            except Exception as exc:
-                raise ContractError("model", "a serialized onnx.ModelProto", f"unparsable bytes ({exc})") from exc
-        elif not isinstance(model, onnx.ModelProto):
-            raise ContractError("model", "an onnx.ModelProto, bytes or a path", type(model).__name__)
+        model = _feeds.load(model, "model")
         self.providers = list(providers) if providers is not None else ["CPUExecutionProvider"]
         self.sess_options = sess_options
         graph = model.graph
@@ -252,6 +246,7 @@ class Session:
         self.functions = list(model.functions)
         opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
         self.input_names = [x.name for x in graph.input]
+        self.inputs = _feeds.Inputs.of_graph(graph)
         self.output_names = [x.name for x in graph.output]
         if graph.sparse_initializer:
             raise ContractError("model", "no sparse initializers in the top-level graph", "some")
@@ -306,19 +301,13 @@ class Session:
         """Outputs `output_names` (None: all, in graph order) as a list of arrays.
 
         `output_names` may also name values that cross a linear-attention cut
-        (the inputs and outputs of the attention nodes).
+        (the inputs and outputs of the attention nodes). The feeds are checked against the
+        graph's inputs first, as ONNX Runtime checks them (`deltarule.onnx.feeds`): a missing
+        or unknown name, an element type, rank or static dimension other than the declared
+        one raises `ContractError` naming the input before anything runs.
         """
-        if not isinstance(feeds, Mapping):
-            raise ContractError("feeds", "a mapping from input name to array", type(feeds).__name__)
-        unknown = sorted(set(feeds) - set(self.input_names))
-        if unknown:
-            raise ContractError("feeds", f"names among the graph inputs {self.input_names}", unknown)
         env = _Values(self._initializers)
-        for name in self.input_names:
-            if name in feeds:
-                env[name] = np.asarray(feeds[name])
-            elif name not in self._initializers:
-                raise ContractError(name, "a feed (a graph input without a default)", "missing")
+        env.update(self.inputs.check(feeds))
         for step in self._steps:
             step(env)
         names = self.output_names if output_names is None else list(output_names)
