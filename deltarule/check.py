@@ -21,7 +21,7 @@ from . import api, reference
 from .backends import REGISTRY
 from .backends import names as backend_names
 from .cases import DTYPES, make_inputs, test_cases
-from .errors import Unsupported
+from .errors import ContractError, Unsupported
 
 
 # The relative error one rounding of the returned state to a 16-bit storage dtype adds,
@@ -127,15 +127,18 @@ def main(args: argparse.Namespace) -> int:
     """Run the selected cases; 0 only when something ran and nothing failed.
 
     A check that ran nothing (no case selected, the backend unavailable here, or every call
-    declined) exits non-zero with a line saying why: it must not read as a pass.
+    declined) exits non-zero with a line saying why: it must not read as a pass. A --case or
+    --dtype that selects nothing raises `ContractError` (the CLI: one line, exit status 2).
     """
-    selected = [(case, dtype) for case in test_cases()
-                if not args.case or any(s in case["name"] for s in args.case)
-                for dtype in case["dtypes"] if args.dtype in ("all", dtype)]
+    named = [case for case in test_cases() if not args.case or any(s in case["name"] for s in args.case)]
+    if not named:
+        raise ContractError("--case", "a substring of a test.json case name",
+                            f"{' '.join(f'--case {s!r}' for s in args.case)} (no test.json case matches)")
+    selected = [(case, dtype) for case in named for dtype in case["dtypes"] if args.dtype in ("all", dtype)]
     if not selected:
-        wanted = " ".join([*(f"--case {s!r}" for s in args.case or ()), f"--dtype {args.dtype}"])
-        print(f"deltarule check: no test.json case matches {wanted}", file=sys.stderr)
-        return 2
+        listed = sorted({dtype for case in named for dtype in case["dtypes"]})
+        raise ContractError("--dtype", f"one the selected cases list ({', '.join(listed)}) or all",
+                            f"{args.dtype!r} (no test.json case matches --dtype {args.dtype})")
     if args.backend != "auto" and (why := REGISTRY[args.backend].unavailable()) is not None:
         print(f"deltarule check: backend {args.backend!r} is not available on this machine: {why}",
               file=sys.stderr)

@@ -5,8 +5,39 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .errors import ContractError, Unsupported
+
+# The user errors a command reports as one line on stderr with exit status 2: a bad
+# argument (`ContractError`, also an output path that cannot be written,
+# `deltarule.paths`) or a valid request deltarule declines (`Unsupported`). Anything else
+# is a bug and keeps its traceback.
+USER_ERRORS = (ContractError, Unsupported)
+
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; its exit status (2: a usage or user error, one line on stderr)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return _run(args, parser)
+    except USER_ERRORS as error:
+        return user_error(_command(args), error)
+
+
+def user_error(command: str, error: BaseException) -> int:
+    """Print `error` as the one line ``deltarule <command>: <message>`` on stderr; returns 2."""
+    message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    print(f"deltarule {command}: {message or type(error).__name__}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The subcommand's words: check, bench, info, card export, export onnx."""
+    sub = {"card": "card_command", "export": "export_command"}.get(args.command)
+    return f"{args.command} {getattr(args, sub)}" if sub else args.command
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltarule", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -36,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     p_onnx.add_argument("--target", choices=("ort", "onnx"), default="ort",
                         help="ort: com.microsoft ops (default); onnx: the opset-27 standard ops")
     p_onnx.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    return parser
 
-    args = parser.parse_args(argv)
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.command == "export":
         return _export(args)
     if args.command == "check":
@@ -48,9 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(args)
     if args.command == "card":
         from .cards import CARDS, export
+        from .paths import writable_folder
         unknown = sorted(set(args.only or ()) - set(CARDS))
         if unknown:
             parser.error(f"--only: unknown card {unknown[0]!r} (one of {', '.join(CARDS)})")
+        writable_folder("DIR", args.directory)
         for folder in export(args.directory, args.only):
             print(folder)
         return 0
@@ -58,13 +93,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _export(args) -> int:
-    from .errors import ContractError, Unsupported
     from .export import onnx
-    try:
-        result = onnx(args.model_dir, args.out_dir, target=args.target, dtype=args.dtype)
-    except (ContractError, Unsupported) as error:
-        print(f"deltarule export onnx: {error}", file=sys.stderr)
-        return 2
+    from .paths import writable_folder
+
+    writable_folder("OUT_DIR", args.out_dir)
+    result = onnx(args.model_dir, args.out_dir, target=args.target, dtype=args.dtype)
     fused = {f"{d or 'onnx'}.{op}": n for (d, op), n in sorted(result.ops.items()) if op in
              ("LinearAttention", "CausalConvWithState")}
     print(f"{result.path}  ({result.layout.model_type}, target {result.target}; "

@@ -110,9 +110,128 @@ def test_cold_decode_cycles_through_copies_of_its_inputs(tmp_path, capsys, monke
         assert all(p["status"] == "skipped" or p["match"] for p in r["peers"].values())
 
 
-def test_bench_unknown_case_exits_2(capsys):
+def test_bench_unknown_case_exits_2(capsys, monkeypatch):
+    _nothing_may_run(monkeypatch)
     assert cli.main(["bench", "--case", "no-such-case"]) == 2
-    assert "no bench case matches" in capsys.readouterr().err
+    _assert_one_line(capsys.readouterr().err, "deltarule bench: --case: ", "'no-such-case': no bench case matches")
+
+
+# --- user errors: checked before the run, one line `deltarule bench: <option>: ...`, exit status 2 ---
+
+
+def _nothing_may_run(monkeypatch):
+    """Every part of a bench run fails the test if called: an error must come before any of it."""
+    import deltarule.bench as bench
+    from deltarule.bench import backward, model
+
+    def fail(what):
+        def called(*args, **kwargs):
+            raise AssertionError(f"{what} ran before the options were checked")
+        return called
+
+    monkeypatch.setattr(bench, "run", fail("bench.run"))
+    monkeypatch.setattr(bench, "copy_bandwidth", fail("bench.copy_bandwidth"))
+    monkeypatch.setattr(backward, "run", fail("backward.run"))
+    monkeypatch.setattr(model, "run", fail("model.run"))
+
+
+def _assert_one_line(err: str, *needles: str) -> None:
+    assert "Traceback" not in err, err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+@pytest.mark.parametrize("option, mode", [("--json", ""), ("--json", "--backward"), ("--json", "--model"),
+                                          ("--plot", "")])      # --plot with the others: refused as such
+@pytest.mark.parametrize("where, why", [
+    ("missing/out", "(no folder "),
+    ("folder", "(an existing folder)"),
+    ("file/out", "file' is a file, not a folder"),
+    ("missing/", "ends in a path separator"),
+])
+def test_bench_output_paths_are_checked_before_the_run(option, mode, where, why, tmp_path, capsys, monkeypatch):
+    """--json / --plot into a missing folder, onto a folder or under a file: one line naming the
+    option before anything runs (it used to fail after the whole run, losing the results)."""
+    _nothing_may_run(monkeypatch)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("")
+    path = str(tmp_path / where) + ("/" if where.endswith("/") else "")
+    argv = ["bench", "--case", "tiny", option, path]
+    argv += {"": [], "--backward": ["--backward"], "--model": ["--model", "qwen3_next"]}[mode]
+    assert cli.main(argv) == 2
+    _assert_one_line(capsys.readouterr().err, f"deltarule bench: {option}: expected a writable file path, got ",
+                     repr(path), why)
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--plot", "{tmp}/x.png", "--backward", "--case", "tiny"], ("--plot: ", "got --plot with --backward")),
+    (["--plot", "{tmp}/x.png", "--model", "qwen3_next"], ("--plot: ", "got --plot with --model")),
+    (["--json", "{tmp}/same", "--plot", "{tmp}/./same", "--case", "tiny"],
+     ("--plot: expected a file other than --json's",)),
+    (["--backward", "--case", "tiny-decode"], ("--backward: expected a selection with a prefill case",)),
+    (["--case", "tiny", "--quick"], ("--case: ", "no bench case selected", "--quick")),
+])
+def test_bench_option_conflicts_are_one_line_before_the_run(argv, needles, tmp_path, capsys, monkeypatch):
+    _nothing_may_run(monkeypatch)
+    assert cli.main(["bench", *(a.format(tmp=tmp_path) for a in argv)]) == 2
+    _assert_one_line(capsys.readouterr().err, "deltarule bench: ", *needles)
+
+
+def test_bench_plot_without_matplotlib_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    _nothing_may_run(monkeypatch)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    assert cli.main(["bench", "--case", "tiny", "--plot", str(tmp_path / "x.png")]) == 2
+    _assert_one_line(capsys.readouterr().err, "deltarule bench: --plot needs matplotlib")
+
+
+def test_bench_model_unsupported_is_one_line(capsys, monkeypatch):
+    from deltarule.bench import model
+
+    def unbound(args):
+        raise deltarule.Unsupported(f"bench --model {args.model}: not bound\nin this transformers")
+
+    monkeypatch.setattr(model, "run", unbound)
+    assert cli.main(["bench", "--model", "qwen3_next"]) == 2
+    _assert_one_line(capsys.readouterr().err,
+                     "deltarule bench: bench --model qwen3_next: not bound in this transformers")
+
+
+def test_bench_json_that_fails_at_write_time_is_one_line(tmp_path, capsys, monkeypatch):
+    """The folder checked up front is gone when the results are written (a full disk reads the
+    same): still one line naming --json, after the table was printed."""
+    import shutil
+
+    from deltarule.bench import backward
+
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def run(cases, args):
+        shutil.rmtree(out)
+        return []
+
+    monkeypatch.setattr(backward, "run", run)
+    monkeypatch.setattr(backward, "table", lambda results, meta: "the table")
+    assert cli.main(["bench", "--backward", "--case", "tiny", "--json", str(out / "b.json")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "the table\n"
+    _assert_one_line(captured.err, "deltarule bench: --json: expected a writable file path", "No such file")
+
+
+def test_bench_valid_output_paths_pass_the_check(tmp_path, monkeypatch):
+    """The check lets a new file in an existing folder and an existing file (replaced) through."""
+    import deltarule.bench as bench
+
+    existing = tmp_path / "old.json"
+    existing.write_text("{}")
+    args = cli._parser().parse_args(["bench", "--case", "tiny-decode", "--json", str(existing),
+                                     "--plot", str(tmp_path / "new.png")])
+    assert [c["name"] for c in bench.check_options(args)] == ["tiny-decode"]
 
 
 def test_crossover_table_runs(capsys):

@@ -106,7 +106,17 @@ def test_check_reports_declined_calls(capsys, monkeypatch):
 
 def test_check_with_no_matching_case_fails(capsys):
     assert main(["check", "--case", "nosuchcase"]) == 2
-    assert "no test.json case matches --case 'nosuchcase'" in capsys.readouterr().err
+    assert_one_line(capsys.readouterr().err, "deltarule check: --case: ",
+                    "--case 'nosuchcase' (no test.json case matches)")
+
+
+def test_check_with_no_case_of_the_dtype_fails_naming_dtype(capsys, monkeypatch):
+    """slab-* cases list float32 and bfloat16 only: --dtype float16 selects nothing, before any call."""
+    from deltarule import check
+
+    monkeypatch.setattr(check, "compare", _must_not_run("check.compare"))
+    assert main(["check", "--case", "slab-", "--dtype", "float16"]) == 2
+    assert_one_line(capsys.readouterr().err, "deltarule check: --dtype: ", "(bfloat16, float32)", "'float16'")
 
 
 def test_check_of_a_backend_unavailable_here_fails_saying_why(capsys, monkeypatch):
@@ -163,3 +173,182 @@ def test_info_and_dispatch_say_why_a_backend_is_unavailable(capsys, monkeypatch)
     q = torch.randn(1, 3, 1, 4)
     with pytest.raises(Unsupported, match=f"not available on this machine: {why}"):
         linear_attention(q, q, q, rule="linear", backend="triton")
+
+
+# --- user errors: one line `deltarule <command>: <message>` on stderr, exit status 2, no traceback ---
+
+
+def assert_one_line(err: str, *needles: str) -> None:
+    assert "Traceback" not in err, err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+def _must_not_run(what):
+    def fail(*args, **kwargs):
+        raise AssertionError(f"{what} ran: the arguments were to be checked first")
+    return fail
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_card_export_into_a_file_is_a_user_error_and_writes_nothing(where, tmp_path, capsys, monkeypatch):
+    import deltarule.cards as cards
+
+    monkeypatch.setattr(cards, "cases", None)         # building a card's files would fail: nothing may be built
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("keep me")
+    target = blocker if where == "a file" else blocker / "cards"
+    assert main(["card", "export", str(target)]) == 2
+    assert_one_line(capsys.readouterr().err, "deltarule card export: DIR: expected a writable folder",
+                    repr(str(target)), "file, not a folder")
+    assert blocker.read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_card_export_library_call_checks_its_directory_first(tmp_path, monkeypatch):
+    """`deltarule.cards.export` itself (not only the CLI) refuses a file, a path under a file, a card's
+    folder that is a file, and an unknown card id, before writing anything."""
+    import deltarule.cards as cards
+    from deltarule import ContractError
+
+    monkeypatch.setattr(cards, "cases", None)         # building a card's files would fail: nothing may be built
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("")
+    for directory in (blocker, blocker / "cards"):
+        with pytest.raises(ContractError, match=r"^directory: expected a writable folder"):
+            cards.export(str(directory))
+    with pytest.raises(ContractError, match=r"^only: .*'com.microsoft.Nope'"):
+        cards.export(str(tmp_path / "out"), only=["com.microsoft.Nope"])
+    assert not (tmp_path / "out").exists()
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "deltarule.LinearAttention").write_text("a file where a card folder goes")
+    with pytest.raises(ContractError, match="deltarule.LinearAttention is a file"):
+        cards.export(str(occupied))
+    assert sorted(p.name for p in occupied.iterdir()) == ["deltarule.LinearAttention"]
+
+
+def test_card_export_of_a_card_folder_that_is_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "com.microsoft.LinearAttentionGate").write_text("")
+    assert main(["card", "export", str(tmp_path), "--only", "com.microsoft.LinearAttentionGate"]) == 2
+    assert_one_line(capsys.readouterr().err, "deltarule card export: directory: ",
+                    "com.microsoft.LinearAttentionGate is a file")
+
+
+def test_card_export_still_writes_into_a_new_nested_folder(tmp_path, capsys):
+    target = tmp_path / "a" / "b"
+    assert main(["card", "export", str(target), "--only", "com.microsoft.LinearAttentionGate"]) == 0
+    assert capsys.readouterr().out.strip() == str(target / "com.microsoft.LinearAttentionGate")
+    assert (target / "com.microsoft.LinearAttentionGate" / "metadata.json").is_file()
+
+
+@pytest.mark.parametrize("error", ["contract", "unsupported"])
+def test_export_onnx_prints_the_exporters_user_errors_as_one_line(error, tmp_path, capsys, monkeypatch):
+    """The exporter's own ContractError / Unsupported (even a message of several lines) is one line."""
+    import deltarule.export as export
+    from deltarule import ContractError, Unsupported
+
+    def onnx(model_dir, out_dir, **kwargs):
+        if error == "contract":
+            raise ContractError("model_dir", "a checkpoint folder", "nowhere\n(see docs/export.md)")
+        raise Unsupported("layer 3: no fused form\nfor this cache")
+
+    monkeypatch.setattr(export, "onnx", onnx)
+    assert main(["export", "onnx", str(tmp_path / "model"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    if error == "contract":
+        assert_one_line(err, "deltarule export onnx: model_dir: expected a checkpoint folder, got nowhere (see docs")
+    else:
+        assert_one_line(err, "deltarule export onnx: layer 3: no fused form for this cache")
+
+
+def test_export_onnx_checks_out_dir_before_exporting(tmp_path, capsys, monkeypatch):
+    import deltarule.export as export
+
+    monkeypatch.setattr(export, "onnx", _must_not_run("export.onnx"))
+    blocker = tmp_path / "out.onnx"
+    blocker.write_text("")
+    for out_dir in (blocker, blocker / "sub"):
+        assert main(["export", "onnx", str(tmp_path), str(out_dir)]) == 2
+        assert_one_line(capsys.readouterr().err, "deltarule export onnx: OUT_DIR: expected a writable folder",
+                        repr(str(out_dir)), "file, not a folder")
+
+
+def test_every_subcommand_reports_user_errors_through_one_handler(capsys, monkeypatch):
+    """info too: a typed user error raised anywhere under a subcommand is one line with its name."""
+    import deltarule.backends
+    from deltarule import Unsupported
+
+    def declined():
+        raise Unsupported("no backends here")
+
+    monkeypatch.setattr(deltarule.backends, "info", declined)
+    assert main(["info"]) == 2
+    assert_one_line(capsys.readouterr().err, "deltarule info: no backends here")
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    """Only the typed user errors become one line: anything else is a bug and propagates."""
+    import deltarule.backends
+
+    def bug():
+        raise KeyError("an internal bug")
+
+    monkeypatch.setattr(deltarule.backends, "info", bug)
+    with pytest.raises(KeyError, match="an internal bug"):
+        main(["info"])
+
+
+def test_usage_errors_exit_2_without_a_traceback(capsys, monkeypatch):
+    """argparse's usage errors (exit status 2, a usage line and the error) for each subcommand."""
+    import deltarule.bench as bench
+    import deltarule.cards as cards
+    import deltarule.check as check
+    import deltarule.export as export
+
+    for module, name in ((bench, "run"), (bench, "copy_bandwidth"), (check, "compare"), (cards, "export"),
+                         (export, "onnx")):    # an option let through fails at once, not after a long run
+        monkeypatch.setattr(module, name, _must_not_run(f"{module.__name__}.{name}"))
+    for argv in (["bench", "--threads", "-1"], ["bench", "--repeat", "two"], ["bench", "--budget", "nan"],
+                 ["bench", "--budget", "inf"], ["bench", "--repeat", "0"], ["bench", "--dtype", "float64"],
+                 ["bench", "--model", "nope"], ["check", "--backend", "nope"], ["check", "--dtype", "float64"],
+                 ["card", "export"], ["card", "export", "x", "--only", "nope"], ["export", "onnx", "m"],
+                 ["export", "onnx", "m", "o", "--dtype", "int8"], ["info", "extra"], []):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "error: " in err.splitlines()[-1], (argv, err)
+
+
+def test_writable_file_and_folder(tmp_path):
+    """deltarule.paths: each refusal names the option and why; a writable path comes back as a str."""
+    import doctest
+
+    import deltarule.paths
+    from deltarule import ContractError
+    from deltarule.paths import writable_file, writable_folder
+
+    assert doctest.testmod(deltarule.paths).failed == 0
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert writable_file("--json", tmp_path / "new.json") == str(tmp_path / "new.json")
+    assert writable_file("--json", blocker) == str(blocker)               # replaced by the writer
+    assert writable_folder("DIR", tmp_path / "a" / "b" / "c") == str(tmp_path / "a" / "b" / "c")
+    assert writable_folder("DIR", tmp_path) == str(tmp_path)
+    for check, path, why in [
+        (writable_file, tmp_path, "an existing folder"),
+        (writable_file, str(tmp_path / "x") + "/", "ends in a path separator"),
+        (writable_file, tmp_path / "missing" / "x.json", "no folder"),
+        (writable_file, blocker / "x.json", "is a file, not a folder"),
+        (writable_file, "", "an empty path"),
+        (writable_folder, blocker, "an existing file"),
+        (writable_folder, blocker / "a" / "b", "is a file, not a folder"),
+        (writable_folder, "", "an empty path"),
+    ]:
+        with pytest.raises(ContractError, match="^--opt: expected a writable ") as e:
+            check("--opt", path)
+        assert why in str(e.value) and e.value.argument == "--opt", (path, str(e.value))
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ContractError, match="is a file, not a folder"):
+        writable_folder("DIR", tmp_path / "dangling" / "sub")

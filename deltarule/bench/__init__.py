@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import itertools
 import json
 import math
@@ -76,32 +77,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the benchmark; print the table; write the JSON and plot if asked."""
+    """Run the benchmark; print the table; write the JSON and plot if asked.
+
+    The options are checked before anything runs (`check_options`): a bad --case or an
+    output path that cannot be written raises `ContractError` (the CLI prints it as one
+    line, exit status 2) instead of failing after the run.
+    """
+    cases = check_options(args)
     if args.model:
         from . import model
 
         meta = _meta(args)
-        try:
-            result = model.run(args)
-        except Unsupported as e:          # the family is not bound: nothing to compare (the reason names why)
-            print(f"deltarule bench: {e}", file=sys.stderr)
-            return 2
+        result = model.run(args)        # Unsupported where the family is not bound: nothing to compare
         print(model.table(result, meta))
         _write_json(args.json, {"meta": meta, "model": result})
         return 0
-    try:
-        cases = select_cases(bench_cases(), args.case, args.quick)
-    except ValueError as e:
-        print(f"deltarule bench: {e}", file=sys.stderr)
-        return 2
     if args.backward:
         from . import backward
 
         meta = _meta(args)
         results = backward.run(cases, args)
-        if not results:
-            print("deltarule bench --backward: no prefill case selected", file=sys.stderr)
-            return 2
         print(backward.table(results, meta))
         _write_json(args.json, {"meta": meta, "backward": results})
         return 0
@@ -115,15 +110,51 @@ def main(args: argparse.Namespace) -> int:
         from .plot import plot
 
         title = f"deltarule bench ({meta['dtype']}, torch {meta['torch']}, {meta['threads']} threads)"
-        plot(results, peer_names, args.plot, title)
+        try:
+            plot(results, peer_names, args.plot, title)
+        except OSError as e:            # checked up front; still possible (a full disk)
+            raise ContractError("--plot", "a writable file path", f"{args.plot!r} ({_one_line(e)})") from e
     return 0
+
+
+def check_options(args: argparse.Namespace) -> list[dict] | None:
+    """What `main` checks before running anything; the selected cases (None with --model).
+
+    Raises `ContractError` naming the option: --case selecting nothing (--backward: no
+    prefill case), --json / --plot not a writable file path (`deltarule.paths.writable_file`),
+    --plot with --model or --backward (only the case table is plotted); `Unsupported`:
+    --plot without matplotlib.
+    """
+    from ..paths import writable_file
+
+    if args.json is not None:
+        writable_file("--json", args.json)
+    if args.plot is not None:
+        if args.model or args.backward:
+            raise ContractError("--plot", "the case table's run (there is no chart of --model or --backward)",
+                                f"--plot with --{'model' if args.model else 'backward'}")
+        writable_file("--plot", args.plot)
+        if importlib.util.find_spec("matplotlib") is None:
+            raise Unsupported("--plot needs matplotlib, which is not installed: pip install matplotlib")
+        if args.json is not None and os.path.abspath(args.json) == os.path.abspath(args.plot):
+            raise ContractError("--plot", "a file other than --json's", repr(args.plot))
+    if args.model:
+        return None
+    cases = select_cases(bench_cases(), args.case, args.quick)
+    if args.backward and not any(c["kind"] == "prefill" for c in cases):
+        raise ContractError("--backward", "a selection with a prefill case (--backward times prefill only)",
+                            f"{len(cases)} decode / verify case{'s' * (len(cases) != 1)}")
+    return cases
 
 
 def _write_json(path: str | None, data: dict) -> None:
     if path:
-        with open(path, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
+        text = json.dumps(data, indent=2) + "\n"         # a bug in the data fails before the file is touched
+        try:
+            with open(path, "w") as f:
+                f.write(text)
+        except OSError as e:            # checked up front; still possible (a full disk)
+            raise ContractError("--json", "a writable file path", f"{path!r} ({_one_line(e)})") from e
 
 
 def select_cases(cases: list[dict], patterns: list[str] | None, quick: bool) -> list[dict]:
@@ -132,6 +163,8 @@ def select_cases(cases: list[dict], patterns: list[str] | None, quick: bool) -> 
     A pattern selects the case of that exact name, else every case whose
     name contains it; each pattern must select something. Without patterns,
     every case but the smoke cases. `quick` keeps the cases marked quick.
+    Raises `ContractError` (a ValueError) naming --case where a pattern or the
+    whole selection selects nothing.
     """
     if patterns:
         chosen = set()
@@ -139,7 +172,8 @@ def select_cases(cases: list[dict], patterns: list[str] | None, quick: bool) -> 
             exact = [c["name"] for c in cases if c["name"] == pattern]
             found = exact or [c["name"] for c in cases if pattern in c["name"]]
             if not found:
-                raise ValueError(f"no bench case matches {pattern!r}")
+                raise ContractError("--case", "a bench.json case name or a substring of names",
+                                    f"{pattern!r}: no bench case matches it")
             chosen.update(found)
         selected = [c for c in cases if c["name"] in chosen]
     else:
@@ -147,7 +181,8 @@ def select_cases(cases: list[dict], patterns: list[str] | None, quick: bool) -> 
     if quick:
         selected = [c for c in selected if c.get("quick", False)]
     if not selected:
-        raise ValueError("no bench case selected")
+        raise ContractError("--case", "a selection of at least one case",
+                            "no bench case selected" + (" (--quick keeps the cases marked quick only)" * quick))
     return selected
 
 
@@ -380,8 +415,8 @@ def _version(dist: str) -> str:
 def _positive(kind):
     def parse(text: str):
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0: {text}")
+        if not math.isfinite(value) or value <= 0:      # nan passes `<= 0`; nan, inf: no budget at all
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0: {text}")
         return value
     parse.__name__ = kind.__name__
     return parse

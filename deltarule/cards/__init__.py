@@ -26,6 +26,8 @@ import os
 import shutil
 from importlib import resources
 
+from ..errors import ContractError
+from ..paths import writable_folder
 from . import cases, manifests
 
 __all__ = ["export", "CARDS"]
@@ -74,6 +76,12 @@ def export(directory: str, only: list[str] | None = None) -> list[str]:
         directory: the parent folder (created if missing); each card's folder is named by its id.
         only: card ids to write (default: every card of `CARDS`).
 
+    Raises:
+        deltarule.ContractError: before anything is written, where `directory` cannot be
+            written (an existing file, a path under a file, not writable:
+            `deltarule.paths.writable_folder`), a card's folder in it is a file or a link, or
+            `only` names an unknown card.
+
     Example:
         >>> import os, tempfile
         >>> import deltarule.cards
@@ -82,13 +90,20 @@ def export(directory: str, only: list[str] | None = None) -> list[str]:
         ['README.md', '_common.wgsl.jinja', 'bench.json', 'common.js', 'gate.wgsl.jinja', 'host.js',
          'manifest.json', 'metadata.json', 'narrow.wgsl.jinja', 'test.json']
     """
-    written = []
-    for card_id, (manifest, host, variants, tests) in CARDS.items():
-        if only and card_id not in only:
-            continue
+    directory = writable_folder("directory", directory)
+    unknown = sorted(set(only or ()) - set(CARDS))
+    if unknown:
+        raise ContractError("only", f"card ids of {', '.join(CARDS)}", repr(unknown[0]))
+    chosen = [card_id for card_id in CARDS if not only or card_id in only]
+    for card_id in chosen:
         folder = os.path.join(directory, card_id)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.makedirs(folder)
+        if os.path.islink(folder) or (os.path.lexists(folder) and not os.path.isdir(folder)):
+            raise ContractError("directory", f"a folder whose {card_id} entry, if any, is a folder (it is replaced)",
+                                f"{directory!r}, where {card_id} is {'a link' if os.path.islink(folder) else 'a file'}")
+    written = []
+    for card_id in chosen:
+        manifest, host, variants, tests = CARDS[card_id]
+        folder = os.path.join(directory, card_id)
         files = {
             "manifest.json": _json(manifest),
             "test.json": _json({"cases": tests()}, indent=None),
@@ -100,9 +115,6 @@ def export(directory: str, only: list[str] | None = None) -> list[str]:
         for name in _SHARED_JS:
             files[name] = _JS.joinpath(name).read_text()
         files["README.md"] = _readme(manifest, variants)
-        for name, text in files.items():
-            with open(os.path.join(folder, name), "w") as f:
-                f.write(text)
         metadata = {
             "id": card_id,
             "version": 1,
@@ -117,8 +129,16 @@ def export(directory: str, only: list[str] | None = None) -> list[str]:
             "digests": {name: "sha256:" + hashlib.sha256(text.encode()).hexdigest()
                         for name, text in sorted(files.items())},
         }
-        with open(os.path.join(folder, "metadata.json"), "w") as f:
-            f.write(_json(metadata))
+        files["metadata.json"] = _json(metadata)
+        try:        # only the writes: a package file that cannot be read above is a broken install
+            shutil.rmtree(folder, ignore_errors=True)
+            os.makedirs(folder)
+            for name, text in files.items():
+                with open(os.path.join(folder, name), "w") as f:
+                    f.write(text)
+        except OSError as e:        # checked up front; still possible (a read-only or full file system)
+            raise ContractError("directory", "a writable folder",
+                                f"{directory!r} (writing {e.filename or folder!r}: {e.strerror or e})") from e
         written.append(folder)
     return written
 
