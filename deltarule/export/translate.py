@@ -20,6 +20,7 @@ fused gate) raises `deltarule.Unsupported` naming the argument while the model i
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx.defs import OpSchema
 
@@ -34,8 +35,9 @@ PLACEHOLDERS = {"ExportedLinearAttention": (None, "LinearAttention"),
 _REFUSED = {
     "cu_seqlens": "packed sequences (cu_seqlens)", "seq_lens": "ragged sequences (seq_lens)",
     "state_indices": "a state slab (state_indices)", "num_accepted_tokens": "speculative rows",
-    "plan_layout": "a batch plan", "A_log": "the fused gate (A_log)", "dt_bias": "the fused gate (dt_bias)",
+    "plan_layout": "a batch plan",
 }
+_FLOAT = onnx.TensorProto.FLOAT
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 
 
@@ -85,12 +87,11 @@ def translation_table() -> dict:
 
 
 def refusal(call: dict) -> str | None:
-    """Why a ``deltarule::linear_attention`` call (its arguments by name) has no node, or None."""
+    """Why a ``deltarule::linear_attention`` call (its arguments by name) has no node, or None.
+    Every other argument of the record has an exact translation (`linear_attention`)."""
     for name, what in _REFUSED.items():
         if call.get(name) is not None:
             return f"{what} has no LinearAttention node"
-    if call.get("state_layout", "kv") != "kv":
-        return f"state_layout {call['state_layout']!r}: the LinearAttention nodes' state is [B, H, K, V] ('kv')"
     return None
 
 
@@ -108,6 +109,18 @@ def _ints(op, values):
     return op.Constant(value=onnx.helper.make_tensor("c", onnx.TensorProto.INT64, [len(values)], values))
 
 
+def _float(op, x):
+    """x in float32 (exact from float16 / bfloat16), or None."""
+    if x is None or int(x.dtype) == _FLOAT:
+        return x
+    return op.Cast(x, to=_FLOAT)
+
+
+def _cast(op, x, dtype: int):
+    """x (float32) stored as `dtype`: ONNX's Cast rounds to nearest even, as deltarule's stores do."""
+    return x if dtype == _FLOAT else op.Cast(x, to=dtype)
+
+
 def _repeat_heads(op, x, r: int):
     """[B, T, H, D] -> packed [B, T, H * r * D], head h repeated r times in place (h * r .. h * r + r - 1)."""
     if r == 1:
@@ -118,12 +131,46 @@ def _repeat_heads(op, x, r: int):
 
 
 def _l2norm(op, x, eps: float):
-    """x / sqrt(sum(x^2, -1) + eps) in float32, back in x's dtype."""
-    dtype = int(x.dtype)
-    y = op.Cast(x, to=onnx.TensorProto.FLOAT) if dtype != onnx.TensorProto.FLOAT else x
-    s = op.ReduceSumSquare(y, _ints(op, [-1]), keepdims=1)
-    y = op.Div(y, op.Sqrt(op.Add(s, op.Constant(value=onnx.helper.make_tensor("e", onnx.TensorProto.FLOAT, [], [eps])))))
-    return op.Cast(y, to=dtype) if dtype != onnx.TensorProto.FLOAT else y
+    """x / sqrt(sum(x^2, -1) + eps) (x float32)."""
+    s = op.ReduceSumSquare(x, _ints(op, [-1]), keepdims=1)
+    return op.Div(x, op.Sqrt(op.Add(s, op.Constant(value=onnx.helper.make_tensor("e", _FLOAT, [], [eps])))))
+
+
+def _decay(op, g, gk, A_log, dt_bias):
+    """The log decay the node takes, float32: [B, T, H] (scalar) or [B, T, H * K] (per key);
+    the raw-gate arm ``-exp(A_log) * softplus(gate + dt_bias)`` and g with gk (the per-key
+    decay exp(gk + g)) computed before it, as the kernels do. None without decay."""
+    g, gk = _float(op, g), _float(op, gk)
+    if A_log is not None:
+        rate = op.Neg(op.Exp(_float(op, A_log)))                  # [H]
+        if g is not None:
+            g = op.Mul(rate, op.Softplus(op.Add(g, _float(op, dt_bias))))
+        else:                                                     # dt_bias [H, K]
+            gk = op.Mul(op.Unsqueeze(rate, _ints(op, [1])), op.Softplus(op.Add(gk, _float(op, dt_bias))))
+    if gk is None:
+        return g
+    if g is not None:
+        gk = op.Add(gk, op.Unsqueeze(g, _ints(op, [3])))
+    return op.Reshape(gk, _ints(op, [0, 0, -1]))
+
+
+def _rates(op, beta, erase, write, sigmoid: bool):
+    """beta [B, T, H], erase [B, T, H * K], write [B, T, H * V] in float32 (each None when
+    absent), the sigmoid applied to every one of them with `sigmoid` (``beta_sigmoid``)."""
+    rates = []
+    for x, packed in ((beta, False), (erase, True), (write, True)):
+        x = _float(op, x)
+        if x is not None and sigmoid:
+            x = op.Sigmoid(x)
+        if x is not None and packed:
+            x = op.Reshape(x, _ints(op, [0, 0, -1]))
+        rates.append(x)
+    return rates
+
+
+def _scale(scale, K: int) -> float:
+    """The scale as the kernels apply it: float32 (a scale float32 rounds to 0 is 0)."""
+    return float(np.float32(K ** -0.5 if scale is None else scale))
 
 
 def linear_attention(q, k, v, rule="gated_delta", g=None, gk=None, beta=None, erase=None, write=None, scale=None,
@@ -133,10 +180,16 @@ def linear_attention(q, k, v, rule="gated_delta", g=None, gk=None, beta=None, er
                      l2norm_eps=1e-6, A_log=None, dt_bias=None, beta_sigmoid=False, chunk_size=64, backend="auto",
                      accept_growth=False, num_states=None):
     """``deltarule::linear_attention`` (the record's arguments, `deltarule.arguments`) as a
-    ``LinearAttention`` node: returns (o [B, T, max(Hq, Hv), V], state [B, Hv, K, V])."""
-    reason = refusal(dict(cu_seqlens=cu_seqlens, seq_lens=seq_lens,
-                          state_indices=state_indices, num_accepted_tokens=num_accepted_tokens,
-                          plan_layout=plan_layout, A_log=A_log, dt_bias=dt_bias, state_layout=state_layout))
+    ``LinearAttention`` node: returns (o [B, T, max(Hq, Hv), V] in v's dtype, the state
+    [B, Hv, K, V] ([B, Hv, V, K] for ``state_layout="vk"``) in initial_state's dtype, float32
+    without one).
+
+    The node computes in float32, as every deltarule kernel does: 16-bit operands and state are
+    cast up (exactly) before it and the output and state rounded to their dtypes after it, so
+    the graph equals the eager call for every dtype mix the call accepts. `chunk_size`,
+    `backend` and `accept_growth` do not change the result."""
+    reason = refusal(dict(cu_seqlens=cu_seqlens, seq_lens=seq_lens, state_indices=state_indices,
+                          num_accepted_tokens=num_accepted_tokens, plan_layout=plan_layout))
     if reason:
         raise Unsupported(f"deltarule::linear_attention: {reason}")
     op, ph = _ops()
@@ -144,7 +197,8 @@ def linear_attention(q, k, v, rule="gated_delta", g=None, gk=None, beta=None, er
     Hk, Hv, V = _shape(k)[2], _shape(v)[2], _shape(v)[3]
     if None in (Hq, K, Hk, Hv, V):
         raise Unsupported("deltarule::linear_attention: head counts and sizes must be static to export")
-    dtype = int(q.dtype)
+    out_dtype = int(v.dtype)
+    q, k, v = _float(op, q), _float(op, k), _float(op, v)
     if qk_l2norm:
         q, k = _l2norm(op, q, l2norm_eps), _l2norm(op, k, l2norm_eps)
     H = max(Hq, Hv)
@@ -153,38 +207,39 @@ def linear_attention(q, k, v, rule="gated_delta", g=None, gk=None, beta=None, er
     q_packed = _repeat_heads(op, q, Hv // Hq if Hv > Hq else 1)
     k_packed = _repeat_heads(op, k, Hv // Hk)
     v_packed = op.Reshape(v, _ints(op, [0, 0, -1]))
-    decay = g if g is not None else gk
-    if decay is not None and int(decay.dtype) != dtype:
-        decay = op.Cast(decay, to=dtype)
-    if gk is not None:                                     # KDA: per-key decay [B, T, H * K]
-        decay = op.Reshape(decay, _ints(op, [0, 0, -1]))
-    if beta is not None:
-        if int(beta.dtype) != dtype:
-            beta = op.Cast(beta, to=dtype)
-        if beta_sigmoid:
-            beta = op.Sigmoid(beta)
-    update_rule = {(True, True): "gated_delta", (True, False): "gated", (False, True): "delta",
-                   (False, False): "linear"}[(decay is not None and rule in ("gated", "gated_delta"),
-                                               beta is not None or rule in ("delta", "gated_delta"))]
-    attributes = dict(q_num_heads=H if Hv > Hq else Hq, kv_num_heads=Hv, update_rule=update_rule)
-    if scale is not None:
-        attributes["scale"] = float(scale)
-    operands = [q_packed, k_packed, v_packed, initial_state, decay if update_rule in ("gated", "gated_delta") else None,
-                beta if update_rule in ("delta", "gated_delta") else None]
+    decay = _decay(op, g, gk, A_log, dt_bias)
+    beta, erase, write = _rates(op, beta, erase, write, beta_sigmoid)
+    state_dtype = _FLOAT if initial_state is None else int(initial_state.dtype)
+    past = _float(op, initial_state)
+    if past is not None and state_layout == "vk":                 # the nodes' state is [B, H, K, V]
+        past = op.Transpose(past, perm=[0, 1, 3, 2])
+    scale = _scale(scale, K)
+    # the nodes read scale 0 as "the default 1 / sqrt(d_k)": a zero scale is scale 1 times 0
+    attributes = dict(q_num_heads=H if Hv > Hq else Hq, kv_num_heads=Hv, update_rule=rule, scale=scale or 1.0)
+    operands = [q_packed, k_packed, v_packed, past, decay if rule in ("gated", "gated_delta") else None,
+                beta if rule in ("delta", "gated_delta") else None]
     if erase is None:
         o, state = ph.ExportedLinearAttention(*operands, **attributes)
     else:                                                  # Gated DeltaNet-2: ai.deltarule::LinearAttention
-        gates = [op.Reshape(x if int(x.dtype) == dtype else op.Cast(x, to=dtype), _ints(op, [0, 0, -1]))
-                 for x in (erase, write)]
-        o, state = ph.ExportedGatedDeltaNet2(*operands, *gates, **attributes)
-    o = op.Reshape(o, op.Concat(op.Shape(v, start=0, end=2), _ints(op, [H, V]), axis=0))
-    if initial_state is None:
-        state = op.Cast(state, to=onnx.TensorProto.FLOAT)
-    return o, state
+        o, state = ph.ExportedGatedDeltaNet2(*operands, erase, write, **attributes)
+    if scale == 0.0:
+        o = op.Mul(o, op.Constant(value=onnx.helper.make_tensor("zero", _FLOAT, [], [0.0])))
+    o = op.Reshape(_cast(op, o, out_dtype), op.Concat(op.Shape(v, start=0, end=2), _ints(op, [H, V]), axis=0))
+    if state_layout == "vk":
+        state = op.Transpose(state, perm=[0, 1, 3, 2])
+    if initial_state is None:               # (a type for the graph: the node's S comes from past_state)
+        return o, op.Cast(state, to=_FLOAT)
+    return o, _cast(op, state, state_dtype)
 
 
 def causal_conv1d_with_state(x, weight, bias=None, state=None, activation=None):
-    """``deltarule::causal_conv1d_with_state`` as a ``CausalConvWithState`` node: (y, new state)."""
+    """``deltarule::causal_conv1d_with_state`` as a ``CausalConvWithState`` node: (y in x's dtype,
+    new state in state's dtype (x's without one)). The node computes in float32, as the eager
+    call does: a float32 state beside a 16-bit x keeps its precision."""
     op, ph = _ops()
-    w = op.Unsqueeze(weight, _ints(op, [1]))                # [C, W] -> [C, 1, W]
-    return ph.ExportedCausalConvWithState(x, w, bias, state, activation="silu" if activation == "silu" else "none")
+    x_dtype = int(x.dtype)
+    state_dtype = x_dtype if state is None else int(state.dtype)
+    w = op.Unsqueeze(_float(op, weight), _ints(op, [1]))      # [C, W] -> [C, 1, W]
+    y, present = ph.ExportedCausalConvWithState(_float(op, x), w, _float(op, bias), _float(op, state),
+                                                activation="silu" if activation == "silu" else "none")
+    return _cast(op, y, x_dtype), _cast(op, present, state_dtype)
