@@ -141,10 +141,10 @@ def main(argv=None) -> int:
         vocab = checkpoints.config("qwen3_5", shape, vocab_size=vocab).vocab_size
         ours = os.path.join(root, "deltarule", "onnx", "model.onnx")
         if not os.path.isfile(ours):
-            export_onnx(ck, os.path.join(root, "deltarule"))
+            export_onnx(ck, os.path.join(root, "deltarule"), overwrite=True)
         standard = os.path.join(root, "opset27", "onnx", "model.onnx")
         if not os.path.isfile(standard):
-            export_onnx(ck, os.path.join(root, "opset27"), target="onnx")
+            export_onnx(ck, os.path.join(root, "opset27"), target="onnx", overwrite=True)
         scan = scan_variant(standard)
         sessions = {"deltarule": DecoderSession(ours), "scan": DecoderSession(scan)}
         builder = genai_builder(ck, os.path.join(root, "genai"))

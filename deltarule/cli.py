@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     p_onnx.add_argument("--target", choices=("ort", "onnx"), default="ort",
                         help="ort: com.microsoft ops (default); onnx: the opset-27 standard ops")
     p_onnx.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    p_onnx.add_argument("--overwrite", action="store_true",
+                        help="export into a folder that is not empty: what an export writes there is removed first")
     return parser
 
 
@@ -97,7 +99,7 @@ def _export(args) -> int:
     from .paths import writable_folder
 
     writable_folder("OUT_DIR", args.out_dir)
-    result = onnx(args.model_dir, args.out_dir, target=args.target, dtype=args.dtype)
+    result = onnx(args.model_dir, args.out_dir, target=args.target, dtype=args.dtype, overwrite=args.overwrite)
     fused = {f"{d or 'onnx'}.{op}": n for (d, op), n in sorted(result.ops.items()) if op in
              ("LinearAttention", "CausalConvWithState")}
     print(f"{result.path}  ({result.layout.model_type}, target {result.target}; "

@@ -113,7 +113,7 @@ def build(name: str, out: str, work: str) -> dict:
     tok = tokenizer(ck)
     ids = tok(PROMPT)["input_ids"]
     tokens = greedy(ck, ids)
-    deltarule.export.onnx(ck, os.path.join(out, name))
+    deltarule.export.onnx(ck, os.path.join(out, name), overwrite=True)     # (regenerated fixtures)
     with open(os.path.join(ck, "config.json")) as f:
         config = json.load(f)
     model_type = config["model_type"]
@@ -131,7 +131,7 @@ def scan_pair(out: str, work: str, shape: str) -> list[dict]:
     checkpoints.save("qwen3_5", ck, shape=shape, vocab_size=VOCAB)
     tokenizer(ck)
     fused = os.path.join(out, f"qwen3_5-{shape}")
-    ex = deltarule.export.onnx(ck, fused)
+    ex = deltarule.export.onnx(ck, fused, overwrite=True)
     scan = fused + "-scan"
     # config, tokenizer and any external weights file copied: the Scan graph names the same file
     shutil.copytree(fused, scan, ignore=shutil.ignore_patterns("*.onnx"))

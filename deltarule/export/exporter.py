@@ -21,13 +21,12 @@ import torch
 
 from ..errors import ContractError, Unsupported
 from . import genai, graph, translate
+from .folder import COPIED, check_out_dir, staged
 from .decoder import Decoder, StateLayout, state_layout, text_config
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
-# files copied from the checkpoint beside the model (those present)
-COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-          "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
-          "chat_template.json", "added_tokens.json", "preprocessor_config.json")
+# a checkpoint's weights, one of these beside its config.json (transformers' file names)
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 # torch.export's trace sizes (seq and past >= 2: 0 and 1 would be specialized; the graph is
 # valid for every size, T = 1 and past 0 included: tests run them)
 _TRACE = dict(batch=2, seq=3, past=2)
@@ -59,13 +58,15 @@ class Exported:
     text_only: dict = field(default_factory=dict)   # transformers.js's embed_tokens / decoder_model_merged paths
 
 
-def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "float32") -> Exported:
+def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "float32",
+         overwrite: bool = False) -> Exported:
     """Export the transformers causal LM checkpoint in `model_dir` to `out_dir` as ONNX.
 
     Args:
         model_dir: a local checkpoint folder (``config.json`` and weights) of a hybrid family
             transformers ships (Qwen3-Next, Qwen3.5 dense / MoE, Kimi Linear, OLMo-Hybrid).
-        out_dir: created if absent; receives ``onnx/model.onnx`` (and ``model.onnx_data``
+        out_dir: a new or empty folder (made if absent; not the checkpoint, inside it or around
+            it); receives ``onnx/model.onnx`` (and ``model.onnx_data``
             when the weights pass 2 GB); for a ``...ForConditionalGeneration`` checkpoint
             (a published Qwen3.5) also ``onnx/embed_tokens.onnx`` (input_ids -> inputs_embeds)
             and ``onnx/decoder_model_merged.onnx`` (inputs_embeds in: what transformers.js
@@ -76,6 +77,12 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "flo
             ``CausalConvWithState``; ``"onnx"``: the standard ops of opset 27.
         dtype: ``"float32"`` (default) or ``"float16"``: the weights and activations (the
             recurrent state stays float32).
+        overwrite: False (default): an `out_dir` holding anything is refused; True: what an
+            export writes there (``onnx/``, ``genai_config.json``, the copied checkpoint files)
+            is removed first, other files are kept.
+
+    Everything is written into a temporary folder beside `out_dir` and moved into place at the
+    end (``onnx/`` last): an export that fails or is killed leaves no model in `out_dir`.
 
     Returns:
         `Exported`. The decoder's inputs and outputs are named as transformers.js names them
@@ -83,9 +90,11 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "flo
         state in, ``logits`` and the present state out.
 
     Raises:
+        deltarule.ContractError: a bad argument or path (checked before the checkpoint loads),
+            or a checkpoint whose weights do not fit its model (missing, unexpected or
+            mismatched tensors, named), before anything is written.
         deltarule.Unsupported: a family or call the target cannot express, naming the layer
             and what is missing, before anything is written.
-        deltarule.ContractError: a bad argument.
 
     Example::
 
@@ -96,13 +105,8 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "flo
         >>> result.ops[("com.microsoft", "LinearAttention")], result.inputs[:4]
         (1, ['input_ids', 'attention_mask', 'past_conv.0', 'past_recurrent.0'])
     """
-    if target not in graph.TARGETS:
-        raise ContractError("target", " | ".join(repr(t) for t in graph.TARGETS), repr(target))
-    if dtype not in DTYPES:
-        raise ContractError("dtype", " | ".join(repr(d) for d in DTYPES), repr(dtype))
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise ContractError("model_dir", "a checkpoint folder with a config.json", model_dir)
-    model = load(model_dir, DTYPES[dtype])
+    model_dir, out_dir = check_arguments(model_dir, out_dir, target=target, dtype=dtype, overwrite=overwrite)
+    model = load(model_dir, DTYPES[dtype], config=model_config(model_dir))
     with _on_deltarule():
         layout = state_layout(model)
         program = _trace(model, layout)
@@ -130,10 +134,39 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "flo
     ops = graph.check(proto, target, linear_layers=linear, convs=linear)
     if "decoder_model_merged" in split:
         graph.check(split["decoder_model_merged"], target, linear_layers=linear, convs=linear)
-    path = _write(proto, model_dir, out_dir, split)
-    no_genai = _write_genai_config(model, layout, out_dir)
+    with staged(out_dir, overwrite=overwrite) as staging:
+        _write(proto, model_dir, staging, split)
+        no_genai = _write_genai_config(model, layout, staging)
+    path = os.path.join(out_dir, "onnx", "model.onnx")
     text_only = {name: os.path.join(out_dir, "onnx", f"{name}.onnx") for name in split}
     return Exported(out_dir, path, target, inputs, outputs, layout, dict(ops), no_genai, text_only)
+
+
+def check_arguments(model_dir, out_dir, *, target, dtype, overwrite) -> tuple[str, str]:
+    """Every argument of `onnx` and both folders, before anything loads: (model_dir, out_dir)
+    as ``str``, or `ContractError` naming the argument."""
+    for name, value, allowed in (("target", target, graph.TARGETS), ("dtype", dtype, DTYPES)):
+        if not isinstance(value, str) or value not in allowed:
+            raise ContractError(name, " | ".join(repr(x) for x in allowed), repr(value))
+    if not isinstance(overwrite, bool):
+        raise ContractError("overwrite", "a bool", repr(overwrite))
+    if not isinstance(model_dir, (str, os.PathLike)) or not os.path.isdir(model_dir):
+        raise ContractError("model_dir", "a checkpoint folder", repr(model_dir))
+    model_dir = os.fspath(model_dir)
+    config = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config):
+        raise ContractError("model_dir", "a checkpoint folder with a config.json", model_dir)
+    try:
+        with open(config, encoding="utf-8") as f:
+            parsed = json.load(f)
+    except (OSError, ValueError) as error:        # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        raise ContractError("model_dir", "a config.json that parses as JSON", f"{config}: {error}") from None
+    if not isinstance(parsed, dict):
+        raise ContractError("model_dir", "a config.json holding a JSON object", f"{config}: {type(parsed).__name__}")
+    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in WEIGHTS):
+        raise ContractError("model_dir", f"a checkpoint with its weights ({' or '.join(WEIGHTS)})",
+                            f"{model_dir} holding {', '.join(sorted(os.listdir(model_dir)))}")
+    return model_dir, check_out_dir(out_dir, model_dir, overwrite=overwrite)
 
 
 def to_onnx(program: torch.export.ExportedProgram, target: str, *, inputs: list[str], outputs: list[str],
@@ -150,27 +183,73 @@ def to_onnx(program: torch.export.ExportedProgram, target: str, *, inputs: list[
     return graph.finish(proto, target, symbols=graph.symbols_of(proto, roles))
 
 
-def load(model_dir: str, dtype: torch.dtype):
-    """The checkpoint as transformers' causal LM, evaluation mode, MoE experts in a traceable form."""
+def load(model_dir: str, dtype: torch.dtype, *, config=None):
+    """The checkpoint as transformers' causal LM, evaluation mode, MoE experts in a traceable
+    form. Refuses a model transformers cannot run or deltarule cannot export (`Unsupported`)
+    before reading the weights, and weights that do not fit the model (`ContractError` naming
+    each missing, unexpected or mismatched tensor): transformers would fill them randomly.
+    `config`: `model_config(model_dir)` where the caller has it."""
+    import transformers
+    config = model_config(model_dir) if config is None else config
+    config._experts_implementation = "batched_mm"   # MoE: the default loop's shapes are data-dependent
+    try:
+        model, report = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, config=config, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True)
+    except ValueError as error:                       # a family without a causal-LM class (glm5_next)
+        raise Unsupported(f"{model_dir}: transformers' AutoModelForCausalLM does not load model_type "
+                          f"{config.model_type!r}: {str(error).splitlines()[0]}") from error
+    except OSError as error:                          # weights transformers cannot read
+        raise ContractError("model_dir", "a checkpoint whose weights transformers reads",
+                            f"{model_dir}: {str(error).splitlines()[0]}") from error
+    problems = _weight_problems(report)
+    if problems:
+        raise ContractError("model_dir", "weights that fit the model (transformers would initialise the rest "
+                            "randomly)", f"{model_dir}: " + "; ".join(problems))
+    return model.eval()
+
+
+def model_config(model_dir: str):
+    """transformers' config of the checkpoint, checked: a transformers release that has the
+    layers the export traces, a model type it knows, a hybrid with linear-attention layers and
+    at least one other kind (transformers' cache needs an attention layer to run)."""
     import transformers
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     if (major, minor) < MIN_TRANSFORMERS:
         raise Unsupported(f"deltarule export needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} (its "
                           f"layers' causal_conv1d_forward and linear-attention cache), not {transformers.__version__}")
-    config = transformers.AutoConfig.from_pretrained(model_dir)
+    try:
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError) as error:          # a model_type this transformers does not know
+        raise Unsupported(f"{model_dir}: transformers {transformers.__version__} cannot read its config.json: "
+                          f"{str(error).splitlines()[0]}") from error
     text = text_config(config)
     kinds = set(getattr(text, "layer_types", None) or ())
     if "linear_attention" not in kinds:
         raise Unsupported(f"{model_dir}: model_type {text.model_type!r} has no linear-attention layers "
                           f"(layer_types {sorted(kinds) or 'absent'}); deltarule exports the hybrid families")
-    # MoE: transformers' default experts loop has data-dependent shapes torch.export refuses
-    config._experts_implementation = "batched_mm"
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=dtype)
-    except ValueError as error:                       # a family without a causal-LM class (glm5_next)
-        raise Unsupported(f"{model_dir}: transformers' AutoModelForCausalLM does not load model_type "
-                          f"{config.model_type!r}: {str(error).splitlines()[0]}") from error
-    return model.eval()
+    if kinds == {"linear_attention"}:
+        raise Unsupported(f"{model_dir}: every layer of model_type {text.model_type!r} is a linear-attention "
+                          f"layer; transformers runs the hybrids only with an attention layer (its cache's mask sizes)")
+    return config
+
+
+def _weight_problems(report: dict) -> list[str]:
+    """transformers' loading report as the problems it names (none: the weights fit)."""
+    problems = []
+    for kind, what in (("missing_keys", "missing"), ("unexpected_keys", "unexpected")):
+        names = sorted(report.get(kind) or ())
+        if names:
+            problems.append(f"{what} {_listed(names)}")
+    mismatched = sorted(report.get("mismatched_keys") or ())
+    if mismatched:
+        problems.append("mismatched " + _listed([f"{name} (checkpoint {list(saved)}, model {list(wanted)})"
+                                                 for name, saved, wanted in mismatched]))
+    problems += [str(e).splitlines()[0] for e in report.get("error_msgs") or ()]
+    return problems
+
+
+def _listed(names: list[str], most: int = 8) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 @contextlib.contextmanager
@@ -264,7 +343,7 @@ def _check_calls(program: torch.export.ExportedProgram) -> None:
 
 def _write(proto, model_dir: str, out_dir: str, parts: dict) -> str:
     """The decoder (and `parts`: name -> model) under ``out_dir/onnx``, the checkpoint's files
-    beside it; returns the decoder's path."""
+    beside it; returns the decoder's path. (`out_dir` is the staging folder: `folder.staged`.)"""
     os.makedirs(os.path.join(out_dir, "onnx"), exist_ok=True)
     path = os.path.join(out_dir, "onnx", "model.onnx")
     external = _save(proto, path)
