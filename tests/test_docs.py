@@ -15,11 +15,13 @@ import deltarule.contracts.slab
 import deltarule.conv
 import deltarule.distributed
 import deltarule.export.exporter
+import deltarule.gate
 import deltarule.integrations.hf_kernels
 import deltarule.integrations.transformers
 import deltarule.kernels.cpu.layout
 import deltarule.kernels.cpu.recurrent
 import deltarule.library
+import deltarule.paths
 import deltarule.versions
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -28,7 +30,7 @@ README = ROOT / "README.md"
 
 @pytest.mark.parametrize("module", [deltarule.api, deltarule.batch, deltarule.cards, deltarule.contracts.ascend,
                                     deltarule.contracts.fla, deltarule.contracts.slab, deltarule.conv, deltarule.distributed,
-                                    deltarule.export.exporter,
+                                    deltarule.export.exporter, deltarule.gate, deltarule.paths,
                                     deltarule.integrations.hf_kernels, deltarule.integrations.transformers,
                                     deltarule.kernels.cpu.layout, deltarule.kernels.cpu.recurrent, deltarule.library, deltarule.versions],
                          ids=lambda m: m.__name__)
