@@ -108,6 +108,19 @@ def test_scales_zero_and_below_float32_are_not_the_nodes_default(scale):
     _check(Call(seed=3, B=2, T=3, Hq=2, Hk=2, Hv=2, K=4, V=4, scale=scale), "ort")
 
 
+@pytest.mark.parametrize("target", ["ORT", "tensorrt", None, ["ort"]])
+def test_an_unknown_target_is_refused_before_converting(target, monkeypatch):
+    args = make_args(Call(seed=2, B=1, T=2, K=4, V=4))
+    module = _Call(args)
+    program = torch.export.export(module, tuple(args[n].float() for n in module.names), strict=False)
+
+    def convert(*args, **kwargs):
+        raise AssertionError("converted before the target was checked")
+    monkeypatch.setattr(torch.onnx, "export", convert)
+    with pytest.raises(deltarule.ContractError, match="^target: expected 'ort' | 'onnx'"):
+        to_onnx(program, target, inputs=module.names, outputs=["o", "state"], roles={})
+
+
 @pytest.mark.parametrize("index", ["cu_seqlens", "seq_lens"])
 def test_calls_without_a_node_are_refused_naming_the_argument(index):
     args = make_args(Call(seed=1, B=1, T=4, K=4, V=4))

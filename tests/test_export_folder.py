@@ -112,6 +112,19 @@ def test_models_transformers_cannot_run_are_unsupported_before_loading(tmp_path,
         _refused(deltarule.Unsupported, text, folder, str(tmp_path / "out"))
 
 
+def test_configs_and_weight_files_transformers_cannot_read_are_refused(tmp_path, checkpoint):
+    """A config.json transformers' validators refuse (layer_types of another length) and a weights
+    file that does not parse: ContractError on model_dir, one line, nothing written."""
+    config = json.loads(open(os.path.join(checkpoint, "config.json")).read())
+    short = _copy(checkpoint, tmp_path / "short", config=json.dumps(dict(config, layer_types=["linear_attention"])))
+    assert "layer_types" in _refused(deltarule.ContractError, "model_dir", short, str(tmp_path / "out"))
+    garbage = _copy(checkpoint, tmp_path / "garbage")
+    with open(os.path.join(garbage, "model.safetensors"), "r+b") as f:
+        f.write(b"\xff" * 8)                       # the header length: far past the file
+    assert "SafetensorError" in _refused(deltarule.ContractError, "model_dir", garbage, str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path)) == ["garbage", "short"]
+
+
 def test_weights_that_do_not_fit_the_model_are_refused_by_name(tmp_path, checkpoint):
     """transformers fills missing weights randomly and would export them; every missing,
     unexpected and mismatched tensor is named instead, and nothing is written."""
@@ -182,13 +195,18 @@ def test_overwrite_clears_what_an_export_wrote_and_keeps_the_rest(tmp_path, chec
     assert [p for p in os.listdir(tmp_path) if p.endswith(".partial")] == []
 
 
-def test_command_line_overwrite(tmp_path, checkpoint, capsys):
+def test_command_line_overwrite(tmp_path, checkpoint, capfd):
     from deltarule.cli import main
+    weights = safetensors.load_file(os.path.join(checkpoint, "model.safetensors"))
+    missing = _copy(checkpoint, tmp_path / "missing", weights={k: v for k, v in weights.items() if k != "lm_head.weight"})
+    assert main(["export", "onnx", missing, str(tmp_path / "x")]) == 2
+    err = capfd.readouterr().err                    # no load report, progress bar or warning before it
+    assert err.count("\n") == 1 and "missing lm_head.weight" in err, err
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     assert main(["export", "onnx", checkpoint, str(out)]) == 2
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert err.count("\n") == 1 and "out_dir: expected a new or empty folder" in err
     assert main(["export", "onnx", checkpoint, str(out), "--overwrite"]) == 0
     assert (out / "onnx" / "model.onnx").is_file() and (out / "notes.txt").is_file()

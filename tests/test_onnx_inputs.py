@@ -293,6 +293,33 @@ def test_truncated_or_missing_external_data_is_refused(tmp_path):
         donnx.Session(path)
 
 
+def test_a_model_whose_external_data_is_not_loaded_is_refused(tmp_path):
+    """`onnx.load(path, load_external_data=False)` (or its bytes) handed over: nothing says where
+    the data lies; ORT failed on it only when the first segment ran."""
+    model = few_node_model()
+    path = str(tmp_path / "model.onnx")
+    onnx.save_model(onnx.ModelProto.FromString(model.SerializeToString()), path, save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="model.data", size_threshold=0)      # (saving edits it)
+    unloaded = onnx.load(path, load_external_data=False)
+    for given in (unloaded, unloaded.SerializeToString()):
+        with pytest.raises(ContractError, match="^model: .*'bias' refers to external data"):
+            donnx.Session(given)
+    feeds = valid_feeds(np.random.default_rng(7))
+    assert_same(donnx.run(onnx.load(path), feeds), donnx.run(model, feeds))
+
+
+@pytest.mark.parametrize("names, why", [(["nope"], "'nope'"), (["out", "xy_typo"], "'xy_typo'"), ("out", "'out'")],
+                         ids=["unknown", "one-of-two", "a-string"])
+def test_unknown_output_names_are_refused_before_running(sessions, names, why):
+    session, _ = sessions
+    before = [len(s.sessions) for s in session._steps if hasattr(s, "sessions")]
+    with pytest.raises(ContractError, match=f"^output_names: expected .*got {why}"):
+        session.run(names, valid_feeds(np.random.default_rng(8)))
+    assert [len(s.sessions) for s in session._steps if hasattr(s, "sessions")] == before
+    assert_same(session.run(["out"], valid_feeds(np.random.default_rng(8))),
+                sessions[1].run(["out"], valid_feeds(np.random.default_rng(8))))
+
+
 # ---------------------------------------------------------------------------
 # DecoderSession
 # ---------------------------------------------------------------------------

@@ -175,6 +175,8 @@ def to_onnx(program: torch.export.ExportedProgram, target: str, *, inputs: list[
     (`graph.TARGETS`), its inputs and outputs named `inputs` / `outputs`, the dimensions named by
     `roles` ((input name, axis) -> a `graph.DIMENSIONS` name), torch.onnx's standard ops at
     `opset`. Refuses (`Unsupported`, naming the layer) a call no node expresses before converting."""
+    if not isinstance(target, str) or target not in graph.TARGETS:
+        raise ContractError("target", " | ".join(repr(t) for t in graph.TARGETS), repr(target))
     _check_calls(program)
     onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=translate.translation_table(),
                                      input_names=inputs, output_names=outputs, optimize=True, verbose=False,
@@ -192,15 +194,17 @@ def load(model_dir: str, dtype: torch.dtype, *, config=None):
     import transformers
     config = model_config(model_dir) if config is None else config
     config._experts_implementation = "batched_mm"   # MoE: the default loop's shapes are data-dependent
+    from safetensors import SafetensorError
     try:
-        model, report = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, config=config, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True)
+        with _quiet():                                # its load report: refused below, by name
+            model, report = transformers.AutoModelForCausalLM.from_pretrained(
+                model_dir, config=config, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True)
     except ValueError as error:                       # a family without a causal-LM class (glm5_next)
         raise Unsupported(f"{model_dir}: transformers' AutoModelForCausalLM does not load model_type "
-                          f"{config.model_type!r}: {str(error).splitlines()[0]}") from error
-    except OSError as error:                          # weights transformers cannot read
+                          f"{config.model_type!r}: {_first_line(error)}") from error
+    except (OSError, SafetensorError) as error:       # weights transformers cannot read (a truncated file)
         raise ContractError("model_dir", "a checkpoint whose weights transformers reads",
-                            f"{model_dir}: {str(error).splitlines()[0]}") from error
+                            f"{model_dir}: {type(error).__name__}: {_first_line(error)}") from error
     problems = _weight_problems(report)
     if problems:
         raise ContractError("model_dir", "weights that fit the model (transformers would initialise the rest "
@@ -217,11 +221,17 @@ def model_config(model_dir: str):
     if (major, minor) < MIN_TRANSFORMERS:
         raise Unsupported(f"deltarule export needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} (its "
                           f"layers' causal_conv1d_forward and linear-attention cache), not {transformers.__version__}")
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        model_type = json.load(f).get("model_type")
+    if model_type is not None and model_type not in transformers.CONFIG_MAPPING:
+        raise Unsupported(f"{model_dir}: transformers {transformers.__version__} does not know model_type "
+                          f"{model_type!r}")
     try:
-        config = transformers.AutoConfig.from_pretrained(model_dir)
-    except (ValueError, KeyError) as error:          # a model_type this transformers does not know
-        raise Unsupported(f"{model_dir}: transformers {transformers.__version__} cannot read its config.json: "
-                          f"{str(error).splitlines()[0]}") from error
+        with _quiet():
+            config = transformers.AutoConfig.from_pretrained(model_dir)
+    except Exception as error:    # noqa: BLE001 - transformers' and huggingface_hub's config checks raise many types
+        raise ContractError("model_dir", f"a config.json transformers {transformers.__version__} accepts",
+                            f"{model_dir}: {type(error).__name__}: {_first_line(error)}") from error
     text = text_config(config)
     kinds = set(getattr(text, "layer_types", None) or ())
     if "linear_attention" not in kinds:
@@ -231,6 +241,32 @@ def model_config(model_dir: str):
         raise Unsupported(f"{model_dir}: every layer of model_type {text.model_type!r} is a linear-attention "
                           f"layer; transformers runs the hybrids only with an attention layer (its cache's mask sizes)")
     return config
+
+
+@contextlib.contextmanager
+def _quiet():
+    """transformers' progress bars and warnings (its load report: the export refuses what it
+    reports, by name) and fla's import-time CPU warning off while a checkpoint loads."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"fla\.")
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _first_line(error: BaseException, most: int = 400) -> str:
+    """The error's message on one line (a validator's spans several), at most `most` characters."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return text if len(text) <= most else text[:most - 3] + "..."
 
 
 def _weight_problems(report: dict) -> list[str]:
@@ -244,7 +280,7 @@ def _weight_problems(report: dict) -> list[str]:
     if mismatched:
         problems.append("mismatched " + _listed([f"{name} (checkpoint {list(saved)}, model {list(wanted)})"
                                                  for name, saved, wanted in mismatched]))
-    problems += [str(e).splitlines()[0] for e in report.get("error_msgs") or ()]
+    problems += [_first_line(e) for e in report.get("error_msgs") or ()]
     return problems
 
 
@@ -318,8 +354,8 @@ class _Embed(torch.nn.Module):
 def _layer(node) -> str:
     """The module path of the layer an exported node comes from (``model.layers.0.linear_attn``)."""
     stack = node.meta.get("nn_module_stack") or {}
-    paths = [path for path, _ in stack.values()]
-    return paths[-1] if paths else "?"
+    paths = [path for path, _ in stack.values() if path]
+    return paths[-1] if paths else "(the exported module itself)"
 
 
 def _check_calls(program: torch.export.ExportedProgram) -> None:
@@ -338,7 +374,8 @@ def _check_calls(program: torch.export.ExportedProgram) -> None:
             if reason:
                 raise Unsupported(f"layer {_layer(node)}: {reason}")
         elif namespace == "deltarule" and node.target is not torch.ops.deltarule.causal_conv1d_with_state.default:
-            raise Unsupported(f"layer {_layer(node)}: {node.target} (a state slab) has no ONNX node")
+            raise Unsupported(f"layer {_layer(node)}: a state slab (state_indices) has no LinearAttention node "
+                              f"({node.target})")
 
 
 def _write(proto, model_dir: str, out_dir: str, parts: dict) -> str:

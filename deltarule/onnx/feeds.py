@@ -178,8 +178,11 @@ def load(model, argument: str = "model", *, load_external_data: bool = True) -> 
     A path or bytes that does not parse, a file that cannot be read, a model without a
     graph or an opset import (what is left of a file cut at a field boundary; ORT refuses
     it too), or external data missing or shorter than the model says: ContractError naming
-    `argument`. A ModelProto is returned as it is."""
+    `argument`. A ModelProto is returned as it is, unless its tensors still refer to external
+    data (``onnx.load(path, load_external_data=False)``): that and bytes doing so are refused,
+    as nothing says where the data lies (pass the path)."""
     if isinstance(model, onnx.ModelProto):
+        _check_no_external_data(model, argument, "the onnx.ModelProto")
         return model
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
@@ -203,7 +206,9 @@ def load(model, argument: str = "model", *, load_external_data: bool = True) -> 
     if not len(proto.opset_import):
         raise ContractError(argument, "an ONNX model with an opset import (a whole file, not a truncated one)",
                             f"{what}: none")
-    if path is not None:
+    if path is None:
+        _check_no_external_data(proto, argument, what)
+    else:
         base = os.path.dirname(path)
         _check_external_data(proto, base, argument, what)
         if load_external_data:
@@ -215,15 +220,27 @@ def load(model, argument: str = "model", *, load_external_data: bool = True) -> 
     return proto
 
 
+def _external_tensors(proto: onnx.ModelProto) -> list:
+    """The model's tensors whose data lies in an external file."""
+    from onnx import external_data_helper
+
+    tensors = getattr(external_data_helper, "_get_all_tensors", lambda m: m.graph.initializer)(proto)
+    return [t for t in tensors if external_data_helper.uses_external_data(t)]
+
+
+def _check_no_external_data(proto: onnx.ModelProto, argument: str, what: str) -> None:
+    external = _external_tensors(proto)
+    if external:
+        raise ContractError(argument, "a model with its external data loaded (or its path, to read the data "
+                            "from beside it)", f"{what}: tensor {external[0].name!r} refers to external data")
+
+
 def _check_external_data(proto: onnx.ModelProto, base: str, argument: str, what: str) -> None:
     """Every external-data file the model names exists and holds the bytes it names."""
     from onnx import external_data_helper
 
-    tensors = getattr(external_data_helper, "_get_all_tensors", lambda m: m.graph.initializer)(proto)
     need: dict[str, int] = {}
-    for tensor in tensors:
-        if not external_data_helper.uses_external_data(tensor):
-            continue
+    for tensor in _external_tensors(proto):
         info = external_data_helper.ExternalDataInfo(tensor)
         file = os.path.join(base, info.location)
         end = (info.offset or 0) + (info.length or 0)

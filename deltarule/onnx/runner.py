@@ -31,7 +31,7 @@ optionals).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import onnx
@@ -296,6 +296,8 @@ class Session:
                 if stage[i] == s and is_la[i]:
                     self._steps.append(_Attention(nodes[i], opset))
                     self.plan.append(("deltarule", nodes[i].name or nodes[i].op_type))
+        # what a run can return: the values it holds at the end (checked before it runs)
+        self._returnable = graph_values | {name for step in self._steps for name in step.outputs}
 
     def run(self, output_names, feeds: Mapping) -> list:
         """Outputs `output_names` (None: all, in graph order) as a list of arrays.
@@ -306,12 +308,24 @@ class Session:
         or unknown name, an element type, rank or static dimension other than the declared
         one raises `ContractError` naming the input before anything runs.
         """
+        names = self.output_names if output_names is None else self._checked_names(output_names)
         env = _Values(self._initializers)
         env.update(self.inputs.check(feeds))
         for step in self._steps:
             step(env)
-        names = self.output_names if output_names is None else list(output_names)
         return [env[n] for n in names]
+
+    def _checked_names(self, output_names) -> list[str]:
+        """`output_names` as a list of values a run holds, or ContractError (ONNX Runtime, too,
+        refuses an unknown output name before it runs)."""
+        if isinstance(output_names, (str, bytes)) or not isinstance(output_names, Iterable):
+            raise ContractError("output_names", "None or a list of value names", repr(output_names))
+        names = list(output_names)
+        unknown = [n for n in names if n not in self._returnable]
+        if unknown:
+            raise ContractError("output_names", "names of the graph's outputs (or of values crossing a "
+                                f"linear-attention cut; outputs {self.output_names})", repr(unknown[0]))
+        return names
 
 
 class _Values(dict):
