@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import ContractError, Unsupported
+from .errors import ContractError, Unsupported, one_line
 
 # The user errors a command reports as one line on stderr with exit status 2: a bad
 # argument (`ContractError`, also an output path that cannot be written,
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def user_error(command: str, error: BaseException) -> int:
     """Print `error` as the one line ``deltarule <command>: <message>`` on stderr; returns 2."""
-    message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    message = one_line(error)
     print(f"deltarule {command}: {message or type(error).__name__}", file=sys.stderr, flush=True)
     return 2
 

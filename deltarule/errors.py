@@ -34,3 +34,10 @@ def positive_log_decay(name: str, x, flat_index: int) -> ContractError:
     where = where[::-1]
     return ContractError(name, "log-space decays <= 0 (natural log of the decay factor, e.g. log(0.9), "
                          "not 0.9; -inf resets the state)", f"{name}{where} = {x[tuple(where)].item():g}")
+
+
+def one_line(error: BaseException, most: int | None = None) -> str:
+    """`error`'s message on one line (a validator's or a runtime's span several), cut to `most`
+    characters where given: what the command line prints and what the export quotes."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return text if most is None or len(text) <= most else text[:most - 3] + "..."

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ContractError, Unsupported
+from ..errors import ContractError, Unsupported, one_line
 from . import genai, graph, translate
 from .folder import COPIED, check_out_dir, staged
 from .decoder import Decoder, StateLayout, state_layout, text_config
@@ -201,10 +201,10 @@ def load(model_dir: str, dtype: torch.dtype, *, config=None):
                 model_dir, config=config, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True)
     except ValueError as error:                       # a family without a causal-LM class (glm5_next)
         raise Unsupported(f"{model_dir}: transformers' AutoModelForCausalLM does not load model_type "
-                          f"{config.model_type!r}: {_first_line(error)}") from error
+                          f"{config.model_type!r}: {one_line(error, 400)}") from error
     except (OSError, SafetensorError) as error:       # weights transformers cannot read (a truncated file)
         raise ContractError("model_dir", "a checkpoint whose weights transformers reads",
-                            f"{model_dir}: {type(error).__name__}: {_first_line(error)}") from error
+                            f"{model_dir}: {type(error).__name__}: {one_line(error, 400)}") from error
     problems = _weight_problems(report)
     if problems:
         raise ContractError("model_dir", "weights that fit the model (transformers would initialise the rest "
@@ -231,7 +231,7 @@ def model_config(model_dir: str):
             config = transformers.AutoConfig.from_pretrained(model_dir)
     except Exception as error:    # noqa: BLE001 - transformers' and huggingface_hub's config checks raise many types
         raise ContractError("model_dir", f"a config.json transformers {transformers.__version__} accepts",
-                            f"{model_dir}: {type(error).__name__}: {_first_line(error)}") from error
+                            f"{model_dir}: {type(error).__name__}: {one_line(error, 400)}") from error
     text = text_config(config)
     kinds = set(getattr(text, "layer_types", None) or ())
     if "linear_attention" not in kinds:
@@ -263,12 +263,6 @@ def _quiet():
             hf_logging.enable_progress_bar()
 
 
-def _first_line(error: BaseException, most: int = 400) -> str:
-    """The error's message on one line (a validator's spans several), at most `most` characters."""
-    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
-    return text if len(text) <= most else text[:most - 3] + "..."
-
-
 def _weight_problems(report: dict) -> list[str]:
     """transformers' loading report as the problems it names (none: the weights fit)."""
     problems = []
@@ -280,7 +274,7 @@ def _weight_problems(report: dict) -> list[str]:
     if mismatched:
         problems.append("mismatched " + _listed([f"{name} (checkpoint {list(saved)}, model {list(wanted)})"
                                                  for name, saved, wanted in mismatched]))
-    problems += [_first_line(e) for e in report.get("error_msgs") or ()]
+    problems += [one_line(e, 400) for e in report.get("error_msgs") or ()]
     return problems
 
 
