@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .errors import ContractError, Unsupported, one_line
@@ -64,9 +65,19 @@ def _parser() -> argparse.ArgumentParser:
     p_onnx = model_sub.add_parser("onnx", help="write MODEL_DIR's decoder with fused linear-attention nodes to OUT_DIR")
     p_onnx.add_argument("model_dir", metavar="MODEL_DIR", help="a local checkpoint folder")
     p_onnx.add_argument("out_dir", metavar="OUT_DIR")
-    p_onnx.add_argument("--target", choices=("ort", "onnx"), default="ort",
-                        help="ort: com.microsoft ops (default); onnx: the opset-27 standard ops")
-    p_onnx.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    p_onnx.add_argument("--target", default="ort",
+                        help="the linear-attention node (docs/export.md): ort (default): com.microsoft."
+                             "LinearAttention, ONNX Runtime's CPU form; ort-gpu: com.microsoft.GatedDeltaNet, "
+                             "its CUDA / WebGPU form; onnx: the opset-27 standard ops")
+    p_onnx.add_argument("--dtype", action="append", metavar="DTYPE",
+                        help="transformers.js's dtype names: fp32 (default), fp16, q8, q4, q4f16 (float32 / "
+                             "float16 also taken); repeatable: each to the file transformers.js loads for it")
+    p_onnx.add_argument("--block-size", type=int, help="q8 / q4 / q4f16: weights per scale (default 32)")
+    p_onnx.add_argument("--asymmetric", action="store_true", help="q8 / q4 / q4f16: a zero point per block")
+    p_onnx.add_argument("--accuracy-level", type=int,
+                        help="q8 / q4 / q4f16: MatMulNBits' accuracy_level, 0-4 (default 4: int8 compute)")
+    p_onnx.add_argument("--float-embeddings", action="store_true",
+                        help="q4 / q4f16: keep the embedding table float (default: 4-bit GatherBlockQuantized)")
     p_onnx.add_argument("--overwrite", action="store_true",
                         help="export into a folder that is not empty: what an export writes there is removed first")
     return parser
@@ -99,14 +110,32 @@ def _export(args) -> int:
     from .paths import writable_folder
 
     writable_folder("OUT_DIR", args.out_dir)
-    result = onnx(args.model_dir, args.out_dir, target=args.target, dtype=args.dtype, overwrite=args.overwrite)
+    result = onnx(args.model_dir, args.out_dir, target=args.target, dtype=args.dtype or "fp32",
+                  quantization=_quantization(args), overwrite=args.overwrite)
     fused = {f"{d or 'onnx'}.{op}": n for (d, op), n in sorted(result.ops.items()) if op in
-             ("LinearAttention", "CausalConvWithState")}
-    print(f"{result.path}  ({result.layout.model_type}, target {result.target}; "
+             ("LinearAttention", "CausalConvWithState", "GatedDeltaNet")}
+    print(f"{result.directory}  ({result.layout.model_type}, target {result.target}; "
           + ", ".join(f"{n} {op}" for op, n in fused.items()) + ")")
+    for dtype, files in result.models.items():
+        left = result.quantized[dtype].left_float if dtype in result.quantized else ()
+        note = f"  ({len(left)} weight MatMuls left float)" if left else ""
+        print(f"  {dtype}: " + ", ".join(os.path.relpath(path, result.directory) for path in files.values()) + note)
+    if result.genai_model:
+        print(f"  genai_config.json loads {result.genai_model}")
     if result.no_genai_config:
         print(f"no genai_config.json: {result.no_genai_config}")
     return 0
+
+
+def _quantization(args):
+    """The quantization options given (None: none was)."""
+    if args.block_size is None and args.accuracy_level is None and not args.asymmetric and not args.float_embeddings:
+        return None
+    from .export import Quantization
+    defaults = Quantization()
+    return Quantization(block_size=defaults.block_size if args.block_size is None else args.block_size,
+                        symmetric=not args.asymmetric, embeddings=not args.float_embeddings,
+                        accuracy_level=defaults.accuracy_level if args.accuracy_level is None else args.accuracy_level)
 
 
 def _info() -> int:

@@ -55,3 +55,23 @@ def test_greedy_tokens_equal_transformers(exported, prompt):
     checkpoint, folder = exported
     want = transformers_tokens(checkpoint, prompt)
     assert genai_tokens(folder, prompt) == want
+
+
+@pytest.fixture(scope="module")
+def exported_q4(tmp_path_factory):
+    """Tiny Qwen3.5 at fp32 and q4 in one folder: genai_config.json names the q4 decoder."""
+    checkpoint = checkpoints.save("qwen3_5", str(tmp_path_factory.mktemp("qwen3_5_q4_ck")))
+    out = str(tmp_path_factory.mktemp("qwen3_5_q4"))
+    return deltarule.export.onnx(checkpoint, out, dtype=["fp32", "q4"])
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=lambda p: f"{len(p)}_tokens")
+def test_q4_folder_greedy_tokens_equal_onnxruntime(exported_q4, prompt):
+    """genai runs the q4 file (MatMulNBits, GatherBlockQuantized): its greedy tokens are
+    onnxruntime's on the same file."""
+    from deltarule.export.generate import DecoderSession
+    assert exported_q4.genai_model == "onnx/model_q4.onnx"
+    session = DecoderSession(exported_q4.models["q4"]["model"])
+    want = session.greedy(np.array([prompt]), NEW_TOKENS, eos_token_id=2)[0].tolist()
+    got = genai_tokens(exported_q4.directory, prompt)
+    assert got == want[:len(got)] and (len(got) == NEW_TOKENS or got[-1] == 2)

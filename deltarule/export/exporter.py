@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ContractError, Unsupported, one_line
-from . import genai, graph, translate
+from . import genai, graph, quantize, translate
 from .folder import COPIED, check_out_dir, staged
 from .decoder import Decoder, StateLayout, state_layout, text_config
+from .quantize import Quantization
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16}
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 # a checkpoint's weights, one of these beside its config.json (transformers' file names)
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 # torch.export's trace sizes (seq and past >= 2: 0 and 1 would be specialized; the graph is
@@ -42,10 +43,26 @@ OPSETS = {torch.float32: 23, torch.float16: 18}
 
 @dataclass
 class Exported:
-    """What `onnx` wrote: the model file, its target, inputs and outputs in order, the state
-    layout, the count of its (domain, op) nodes, why no genai_config.json was written (None:
-    it was), and the text-only pair transformers.js loads for a ``...ForConditionalGeneration``
-    checkpoint (``embed_tokens``, ``decoder_model_merged``: paths; empty otherwise)."""
+    """What `onnx` wrote.
+
+    Attributes:
+        directory: `out_dir`.
+        path: the first dtype's decoder (``onnx/model<suffix>.onnx``).
+        target: the target (`graph.TARGETS`).
+        inputs, outputs: the decoder's input and output names, in order.
+        layout: the first dtype's state layout (`decoder.StateLayout`).
+        ops: the count of (domain, op) nodes of the first dtype's decoder.
+        no_genai_config: why genai_config.json was not written (None: it was).
+        text_only: the first dtype's text-only pair transformers.js loads for a
+            ``...ForConditionalGeneration`` checkpoint (``embed_tokens``,
+            ``decoder_model_merged``: paths; empty otherwise).
+        dtypes: the dtypes written, transformers.js's names, in the order asked.
+        models: dtype -> {"model": path, and for a text-only pair "embed_tokens",
+            "decoder_model_merged": paths}.
+        quantized: dtype -> `quantize.Quantized` (the quantized dtypes: what the quantizer
+            made, which weights it left float).
+        genai_model: the decoder genai_config.json names (relative to `directory`), or None.
+    """
 
     directory: str
     path: str
@@ -54,29 +71,41 @@ class Exported:
     outputs: list[str]
     layout: StateLayout
     ops: dict = field(repr=False)
-    no_genai_config: str | None = None     # why genai_config.json was not written
-    text_only: dict = field(default_factory=dict)   # transformers.js's embed_tokens / decoder_model_merged paths
+    no_genai_config: str | None = None
+    text_only: dict = field(default_factory=dict)
+    dtypes: list = field(default_factory=list)
+    models: dict = field(default_factory=dict)
+    quantized: dict = field(default_factory=dict, repr=False)
+    genai_model: str | None = None
 
 
-def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "float32",
-         overwrite: bool = False) -> Exported:
+def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype="fp32",
+         quantization: Quantization | None = None, overwrite: bool = False) -> Exported:
     """Export the transformers causal LM checkpoint in `model_dir` to `out_dir` as ONNX.
 
     Args:
         model_dir: a local checkpoint folder (``config.json`` and weights) of a hybrid family
             transformers ships (Qwen3-Next, Qwen3.5 dense / MoE, Kimi Linear, OLMo-Hybrid).
         out_dir: a new or empty folder (made if absent; not the checkpoint, inside it or around
-            it); receives ``onnx/model.onnx`` (and ``model.onnx_data``
-            when the weights pass 2 GB); for a ``...ForConditionalGeneration`` checkpoint
-            (a published Qwen3.5) also ``onnx/embed_tokens.onnx`` (input_ids -> inputs_embeds)
-            and ``onnx/decoder_model_merged.onnx`` (inputs_embeds in: what transformers.js
+            it); receives, per dtype, ``onnx/model<suffix>.onnx`` (and ``<file>_data`` when the
+            weights pass 2 GB); for a ``...ForConditionalGeneration`` checkpoint (a published
+            Qwen3.5) also ``onnx/embed_tokens<suffix>.onnx`` (input_ids -> inputs_embeds) and
+            ``onnx/decoder_model_merged<suffix>.onnx`` (inputs_embeds in: what transformers.js
             loads for its text model); the checkpoint's config, generation config and
             tokenizer files, and ``genai_config.json`` (for the families onnxruntime-genai
             runs: `deltarule.export.genai`).
         target: ``"ort"`` (default): ONNX Runtime's ``com.microsoft.LinearAttention`` and
             ``CausalConvWithState``; ``"onnx"``: the standard ops of opset 27.
-        dtype: ``"float32"`` (default) or ``"float16"``: the weights and activations (the
-            recurrent state stays float32).
+        dtype: one of transformers.js's dtype names or a list of them, each written to the
+            file transformers.js loads for it (`deltarule.export.quantize`): ``"fp32"``
+            (default; ``"float32"``), ``"fp16"`` (``"float16"``), ``"q8"``, ``"q4"``,
+            ``"q4f16"``. Floats are the weights' and activations' dtype (the recurrent state
+            stays float32); q8 / q4 are the float32 model, q4f16 the float16 one, with weights
+            quantized by onnxruntime's weight-only quantizer. One trace per float dtype serves
+            every dtype built on it.
+        quantization: how q8 / q4 / q4f16 quantize (`quantize.Quantization`; default:
+            onnxruntime-genai's ``-p int4`` defaults: blocks of 32, symmetric, accuracy level 4).
+            Refused without a quantized dtype.
         overwrite: False (default): an `out_dir` holding anything is refused; True: what an
             export writes there (``onnx/``, ``genai_config.json``, the copied checkpoint files)
             is removed first, other files are kept.
@@ -94,19 +123,57 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "flo
             or a checkpoint whose weights do not fit its model (missing, unexpected or
             mismatched tensors, named), before anything is written.
         deltarule.Unsupported: a family or call the target cannot express, naming the layer
-            and what is missing, before anything is written.
+            and what is missing, or a quantizer failure, before anything is written.
 
     Example::
 
         >>> import tempfile
         >>> from deltarule.bench import checkpoints
         >>> checkpoint = checkpoints.save("qwen3_5", tempfile.mkdtemp())     # tiny, random weights
-        >>> result = onnx(checkpoint, tempfile.mkdtemp())
+        >>> result = onnx(checkpoint, tempfile.mkdtemp(), dtype=["fp32", "q4"])
         >>> result.ops[("com.microsoft", "LinearAttention")], result.inputs[:4]
         (1, ['input_ids', 'attention_mask', 'past_conv.0', 'past_recurrent.0'])
+        >>> [os.path.basename(m["model"]) for m in result.models.values()]
+        ['model.onnx', 'model_q4.onnx']
     """
-    model_dir, out_dir = check_arguments(model_dir, out_dir, target=target, dtype=dtype, overwrite=overwrite)
-    model = load(model_dir, DTYPES[dtype], config=model_config(model_dir))
+    model_dir, out_dir, wanted, quantization = check_arguments(
+        model_dir, out_dir, target=target, dtype=dtype, quantization=quantization, overwrite=overwrite)
+    config = model_config(model_dir)
+    traced = {d.traced for d in wanted}
+    models, quantized, first = {d.name: None for d in wanted}, {}, None
+    with staged(out_dir, overwrite=overwrite) as staging:
+        external = {}
+        for float_name in [name for name in _TORCH_DTYPES if name in traced]:
+            model = load(model_dir, _TORCH_DTYPES[float_name], config=config)
+            parts, layout, inputs, outputs, ops = _export_parts(model, model_dir, target)
+            for d in (d for d in wanted if d.traced == float_name):
+                written = {}
+                for base, proto in parts.items():
+                    if d.bits is not None:
+                        proto, quantized.setdefault(d.name, {})[base] = _quantized(proto, base, d, quantization, target)
+                    path = os.path.join(staging, "onnx", quantize.file_name(base, d))
+                    if _save(proto, path):
+                        external[os.path.basename(path)] = 1
+                    written[base] = os.path.join(out_dir, "onnx", os.path.basename(path))
+                models[d.name] = written
+                if d is wanted[0]:
+                    first = (layout, inputs, outputs, ops, model)
+            del model, parts
+        _copy_checkpoint_files(model_dir, staging, external)
+        layout, inputs, outputs, ops, model = first
+        genai_dtype = next((d for d in wanted if d.name == "q4"), wanted[0])
+        genai_model = f"onnx/{quantize.file_name('model', genai_dtype)}"
+        no_genai = _write_genai_config(model, layout, staging, filename=genai_model)
+    quantized = {name: parts_of["model"] for name, parts_of in quantized.items()}
+    head = models[wanted[0].name]
+    text_only = {name: path for name, path in head.items() if name != "model"}
+    return Exported(out_dir, head["model"], target, inputs, outputs, layout, dict(ops), no_genai, text_only,
+                    [d.name for d in wanted], models, quantized, None if no_genai else genai_model)
+
+
+def _export_parts(model, model_dir: str, target: str) -> tuple:
+    """`model` traced and converted: ({"model": decoder, and for a text-only checkpoint
+    "decoder_model_merged", "embed_tokens"}, layout, inputs, outputs, the decoder's op counts)."""
     with _on_deltarule():
         layout = state_layout(model)
         program = _trace(model, layout)
@@ -117,37 +184,48 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype: str = "flo
                  ("attention_mask", 1): "total_sequence_length"}
         roles.update({(t.name, 2): "past_sequence_length" for t in layout.tensors if t.kind in ("key", "value")})
         opset = OPSETS[layout.dtype]
-        proto = to_onnx(program, target, inputs=inputs, outputs=outputs, roles=roles, opset=opset)
-        split = {}
+        parts = {"model": to_onnx(program, target, inputs=inputs, outputs=outputs, roles=roles, opset=opset)}
         if text_only_split(model_dir):
-            split["decoder_model_merged"] = to_onnx(
+            parts["decoder_model_merged"] = to_onnx(
                 _trace(model, layout, embeds=True), target, inputs=["inputs_embeds", *inputs[1:]], outputs=outputs,
                 roles={**roles, ("inputs_embeds", 0): "batch_size", ("inputs_embeds", 1): "sequence_length"},
                 opset=opset)
             batch, seq = torch.export.Dim("batch_size", min=1, max=4096), torch.export.Dim("sequence_length", max=1 << 20)
             embed = torch.export.export(_Embed(model), (torch.ones(2, 3, dtype=torch.long),),
                                         dynamic_shapes=({0: batch, 1: seq},), strict=False)
-            split["embed_tokens"] = to_onnx(embed, target, inputs=["input_ids"], outputs=["inputs_embeds"],
+            parts["embed_tokens"] = to_onnx(embed, target, inputs=["input_ids"], outputs=["inputs_embeds"],
                                             roles={("input_ids", 0): "batch_size", ("input_ids", 1): "sequence_length"},
                                             opset=opset)
     linear = len(layout.linear_layers)
-    ops = graph.check(proto, target, linear_layers=linear, convs=linear)
-    if "decoder_model_merged" in split:
-        graph.check(split["decoder_model_merged"], target, linear_layers=linear, convs=linear)
-    with staged(out_dir, overwrite=overwrite) as staging:
-        _write(proto, model_dir, staging, split)
-        no_genai = _write_genai_config(model, layout, staging)
-    path = os.path.join(out_dir, "onnx", "model.onnx")
-    text_only = {name: os.path.join(out_dir, "onnx", f"{name}.onnx") for name in split}
-    return Exported(out_dir, path, target, inputs, outputs, layout, dict(ops), no_genai, text_only)
+    ops = graph.check(parts["model"], target, linear_layers=linear, convs=linear)
+    if "decoder_model_merged" in parts:
+        graph.check(parts["decoder_model_merged"], target, linear_layers=linear, convs=linear)
+    return parts, layout, inputs, outputs, ops
 
 
-def check_arguments(model_dir, out_dir, *, target, dtype, overwrite) -> tuple[str, str]:
-    """Every argument of `onnx` and both folders, before anything loads: (model_dir, out_dir)
-    as ``str``, or `ContractError` naming the argument."""
-    for name, value, allowed in (("target", target, graph.TARGETS), ("dtype", dtype, DTYPES)):
-        if not isinstance(value, str) or value not in allowed:
-            raise ContractError(name, " | ".join(repr(x) for x in allowed), repr(value))
+def _quantized(proto, base: str, dtype, quantization: Quantization, target: str):
+    """`proto` (the part `base`) at the quantized `dtype`: (model, `quantize.Quantized`). The
+    text-only pair's ``embed_tokens`` is only a Gather: quantized where the embedding is."""
+    standard = target == "onnx"
+    if base == "embed_tokens" and (dtype.bits != 4 or not quantization.embeddings or standard):
+        return proto, quantize.Quantized({}, ())
+    return quantize.quantize(proto, dtype, quantization, standard=standard)
+
+
+def check_arguments(model_dir, out_dir, *, target, dtype, quantization=None, overwrite=False) -> tuple:
+    """Every argument of `onnx` and both folders, before anything loads: (model_dir, out_dir
+    as ``str``, the dtypes as `quantize.Dtype` records, the `Quantization`), or `ContractError`
+    naming the argument."""
+    if not isinstance(target, str) or target not in graph.TARGETS:
+        raise ContractError("target", " | ".join(repr(x) for x in graph.TARGETS), repr(target))
+    wanted = quantize.dtypes(dtype)
+    if quantization is not None:
+        if not isinstance(quantization, Quantization):
+            raise ContractError("quantization", "a deltarule.export.Quantization or None", repr(quantization))
+        if all(d.bits is None for d in wanted):
+            raise ContractError("quantization", "None without a quantized dtype (q8, q4, q4f16)",
+                                f"{quantization!r} with dtype {[d.name for d in wanted]}")
+    quantization = (quantization or Quantization()).check()
     if not isinstance(overwrite, bool):
         raise ContractError("overwrite", "a bool", repr(overwrite))
     if not isinstance(model_dir, (str, os.PathLike)) or not os.path.isdir(model_dir):
@@ -166,7 +244,7 @@ def check_arguments(model_dir, out_dir, *, target, dtype, overwrite) -> tuple[st
     if not any(os.path.isfile(os.path.join(model_dir, name)) for name in WEIGHTS):
         raise ContractError("model_dir", f"a checkpoint with its weights ({' or '.join(WEIGHTS)})",
                             f"{model_dir} holding {', '.join(sorted(os.listdir(model_dir)))}")
-    return model_dir, check_out_dir(out_dir, model_dir, overwrite=overwrite)
+    return model_dir, check_out_dir(out_dir, model_dir, overwrite=overwrite), wanted, quantization
 
 
 def to_onnx(program: torch.export.ExportedProgram, target: str, *, inputs: list[str], outputs: list[str],
@@ -177,8 +255,8 @@ def to_onnx(program: torch.export.ExportedProgram, target: str, *, inputs: list[
     `opset`. Refuses (`Unsupported`, naming the layer) a call no node expresses before converting."""
     if not isinstance(target, str) or target not in graph.TARGETS:
         raise ContractError("target", " | ".join(repr(t) for t in graph.TARGETS), repr(target))
-    _check_calls(program)
-    onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=translate.translation_table(),
+    _check_calls(program, target)
+    onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=translate.translation_table(target),
                                      input_names=inputs, output_names=outputs, optimize=True, verbose=False,
                                      opset_version=opset)
     proto = onnx_program.model_proto
@@ -352,8 +430,8 @@ def _layer(node) -> str:
     return paths[-1] if paths else "(the exported module itself)"
 
 
-def _check_calls(program: torch.export.ExportedProgram) -> None:
-    """Refuse, naming the layer, a call no node of the targets expresses: a deltarule call
+def _check_calls(program: torch.export.ExportedProgram, target: str = "ort") -> None:
+    """Refuse, naming the layer, a call no node of `target` expresses: a deltarule call
     `translate.refusal` names, or an op of another library (no translation)."""
     from ..arguments import op_names
     names = op_names()
@@ -364,7 +442,7 @@ def _check_calls(program: torch.export.ExportedProgram) -> None:
         if namespace not in _NAMESPACES:
             raise Unsupported(f"layer {_layer(node)}: op {node.target} has no ONNX translation")
         if node.target is torch.ops.deltarule.linear_attention.default:
-            reason = translate.refusal(dict(zip(names, node.args)))
+            reason = translate.refusal(dict(zip(names, node.args)), target)
             if reason:
                 raise Unsupported(f"layer {_layer(node)}: {reason}")
         elif namespace == "deltarule" and node.target is not torch.ops.deltarule.causal_conv1d_with_state.default:
@@ -372,33 +450,33 @@ def _check_calls(program: torch.export.ExportedProgram) -> None:
                               f"({node.target})")
 
 
-def _write(proto, model_dir: str, out_dir: str, parts: dict) -> str:
-    """The decoder (and `parts`: name -> model) under ``out_dir/onnx``, the checkpoint's files
-    beside it; returns the decoder's path. (`out_dir` is the staging folder: `folder.staged`.)"""
-    os.makedirs(os.path.join(out_dir, "onnx"), exist_ok=True)
-    path = os.path.join(out_dir, "onnx", "model.onnx")
-    external = _save(proto, path)
-    for name, part in parts.items():
-        external |= _save(part, os.path.join(out_dir, "onnx", f"{name}.onnx"))
+def _copy_checkpoint_files(model_dir: str, out_dir: str, external: dict) -> None:
+    """The checkpoint's config, generation config and tokenizer files beside the models; the
+    config tells transformers.js which model files have their weights in ``<file>_data``
+    (`external`: file name -> chunk count; it fetches them in a browser only when told). (`out_dir`
+    is the staging folder: `folder.staged`.)"""
     for name in COPIED:
         source = os.path.join(model_dir, name)
         if os.path.isfile(source):
             shutil.copyfile(source, os.path.join(out_dir, name))
-    if external:                # transformers.js fetches <file>.onnx_data in a browser only when told
+    if external:
         config_path = os.path.join(out_dir, "config.json")
         with open(config_path) as f:
             config = json.load(f)
-        config.setdefault("transformers.js_config", {})["use_external_data_format"] = True
+        config.setdefault("transformers.js_config", {})["use_external_data_format"] = dict(sorted(external.items()))
         with open(config_path, "w") as f:
             json.dump(config, f, indent=2)
-    return path
 
 
 def _save(proto, path: str) -> bool:
     """`proto` at `path`; its weights in ``<file>_data`` beside it when they pass
     `EXTERNAL_DATA_BYTES` (what one protobuf file holds, 2 GB, less a margin). Returns whether
-    they went there."""
+    they went there. torch.onnx's per-node debug records (stack traces, fx node names: half of
+    a tiny model's file) are not written."""
     import onnx as onnx_lib
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    for node in proto.graph.node:
+        del node.metadata_props[:]
     if sum(len(t.raw_data) for t in proto.graph.initializer) > EXTERNAL_DATA_BYTES:
         onnx_lib.save_model(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
                             location=os.path.basename(path) + "_data", size_threshold=1024)
@@ -417,11 +495,11 @@ def text_only_split(model_dir: str) -> bool:
     return architectures[0].endswith("ForConditionalGeneration")
 
 
-def _write_genai_config(model, layout: StateLayout, out_dir: str) -> str | None:
-    """genai_config.json for onnxruntime-genai (`deltarule.export.genai`); the reason it is not
-    written (a family genai cannot run), or None."""
+def _write_genai_config(model, layout: StateLayout, out_dir: str, *, filename: str) -> str | None:
+    """genai_config.json for onnxruntime-genai (`deltarule.export.genai`) naming the decoder
+    `filename`; the reason it is not written (a family genai cannot run), or None."""
     try:
-        config = genai.genai_config(model.config, layout, filename="onnx/model.onnx", state_names=genai.STATE_NAMES)
+        config = genai.genai_config(model.config, layout, filename=filename, state_names=genai.STATE_NAMES)
     except Unsupported as reason:
         return str(reason)
     with open(os.path.join(out_dir, "genai_config.json"), "w") as f:
