@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="q8 / q4 / q4f16: MatMulNBits' accuracy_level, 0-4 (default 4: int8 compute)")
     p_onnx.add_argument("--float-embeddings", action="store_true",
                         help="q4 / q4f16: keep the embedding table float (default: 4-bit GatherBlockQuantized)")
+    p_onnx.add_argument("--num-logits-to-keep", action="store_true",
+                        help="the decoder takes num_logits_to_keep (transformers.js feeds it) and computes only "
+                             "those rows of logits; onnxruntime-genai does not run it")
     p_onnx.add_argument("--overwrite", action="store_true",
                         help="export into a folder that is not empty: what an export writes there is removed first")
     return parser
@@ -111,7 +114,8 @@ def _export(args) -> int:
 
     writable_folder("OUT_DIR", args.out_dir)
     result = onnx(args.model_dir, args.out_dir, target=args.target, dtype=args.dtype or "fp32",
-                  quantization=_quantization(args), overwrite=args.overwrite)
+                  quantization=_quantization(args), num_logits_to_keep=args.num_logits_to_keep,
+                  overwrite=args.overwrite)
     fused = {f"{d or 'onnx'}.{op}": n for (d, op), n in sorted(result.ops.items()) if op in
              ("LinearAttention", "CausalConvWithState", "GatedDeltaNet")}
     print(f"{result.directory}  ({result.layout.model_type}, target {result.target}; "

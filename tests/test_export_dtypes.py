@@ -208,3 +208,29 @@ def test_cli_dtypes_and_refusal(tied, tmp_path, capsys):
     assert "dtype" in capsys.readouterr().err
     assert main(["export", "onnx", tied, str(tmp_path / "bad2"), "--block-size", "32"]) == 2
     assert "quantization" in capsys.readouterr().err
+
+
+def test_num_logits_to_keep(tied, tmp_path):
+    """The decoder takes num_logits_to_keep (0: every position, n: the last n) and computes only
+    those rows; the repeated key / value heads before Attention are gone; greedy tokens are the
+    full decoder's; no genai_config.json (genai does not feed the input)."""
+    full = deltarule.export.onnx(tied, str(tmp_path / "full"))
+    ex = deltarule.export.onnx(tied, str(tmp_path / "last"), dtype=["fp32", "q4"], num_logits_to_keep=True)
+    assert ex.inputs[-1] == "num_logits_to_keep" and ex.genai_model is None and ex.no_genai_config
+    assert not os.path.exists(os.path.join(ex.directory, "genai_config.json"))
+    model = onnx.load(ex.path)
+    assert [i.name for i in model.graph.input][-1] == "num_logits_to_keep"
+    attention = [n for n in model.graph.node if n.op_type == "Attention"]
+    assert attention and all(n.input[1].startswith("present.") and n.input[2].startswith("present.")
+                             for n in attention)                 # the cache itself, no repeated copy
+    ids = np.array([[5, 17, 99, 3, 42, 7, 8, 9]])
+    want = _logits(full.path, ids)
+    session = DecoderSession(ex.path)
+    state = session.zero_state(1)
+    for keep, rows in ((0, 8), (1, 1), (3, 3), (20, 8)):
+        got, present = session.step(ids, np.ones_like(ids), state, keep_logits=keep)
+        assert got.shape == (1, rows, want.shape[-1])
+        assert rel(got, want[:, -rows:]) < 1e-6
+    np.testing.assert_array_equal(session.greedy(PROMPT, 6), DecoderSession(full.path).greedy(PROMPT, 6))
+    q4 = onnx.load(ex.models["q4"]["model"])
+    assert [i.name for i in q4.graph.input][-1] == "num_logits_to_keep"

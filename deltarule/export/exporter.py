@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ContractError, Unsupported, one_line
-from . import genai, graph, quantize, translate
+from . import genai, graph, lean, quantize, translate
 from .folder import COPIED, check_out_dir, staged
 from .decoder import Decoder, StateLayout, state_layout, text_config
 from .quantize import Quantization
@@ -80,7 +80,8 @@ class Exported:
 
 
 def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype="fp32",
-         quantization: Quantization | None = None, overwrite: bool = False) -> Exported:
+         quantization: Quantization | None = None, num_logits_to_keep: bool = False,
+         overwrite: bool = False) -> Exported:
     """Export the transformers causal LM checkpoint in `model_dir` to `out_dir` as ONNX.
 
     Args:
@@ -106,6 +107,10 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype="fp32",
         quantization: how q8 / q4 / q4f16 quantize (`quantize.Quantization`; default:
             onnxruntime-genai's ``-p int4`` defaults: blocks of 32, symmetric, accuracy level 4).
             Refused without a quantized dtype.
+        num_logits_to_keep: False (default): logits for every position; True: the decoders take
+            ``num_logits_to_keep`` (an int64 scalar, as transformers.js feeds it: 0 for every
+            position, n for the last n) and compute only those rows (`deltarule.export.lean`).
+            onnxruntime-genai does not feed it: no genai_config.json is written then.
         overwrite: False (default): an `out_dir` holding anything is refused; True: what an
             export writes there (``onnx/``, ``genai_config.json``, the copied checkpoint files)
             is removed first, other files are kept.
@@ -137,7 +142,8 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype="fp32",
         ['model.onnx', 'model_q4.onnx']
     """
     model_dir, out_dir, wanted, quantization = check_arguments(
-        model_dir, out_dir, target=target, dtype=dtype, quantization=quantization, overwrite=overwrite)
+        model_dir, out_dir, target=target, dtype=dtype, quantization=quantization,
+        num_logits_to_keep=num_logits_to_keep, overwrite=overwrite)
     config = model_config(model_dir)
     traced = {d.traced for d in wanted}
     models, quantized, first = {d.name: None for d in wanted}, {}, None
@@ -145,7 +151,7 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype="fp32",
         external = {}
         for float_name in [name for name in _TORCH_DTYPES if name in traced]:
             model = load(model_dir, _TORCH_DTYPES[float_name], config=config)
-            parts, layout, inputs, outputs, ops = _export_parts(model, model_dir, target)
+            parts, layout, inputs, outputs, ops = _export_parts(model, model_dir, target, num_logits_to_keep)
             for d in (d for d in wanted if d.traced == float_name):
                 written = {}
                 for base, proto in parts.items():
@@ -163,7 +169,8 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype="fp32",
         layout, inputs, outputs, ops, model = first
         genai_dtype = next((d for d in wanted if d.name == "q4"), wanted[0])
         genai_model = f"onnx/{quantize.file_name('model', genai_dtype)}"
-        no_genai = _write_genai_config(model, layout, staging, filename=genai_model)
+        no_genai = ("the decoder takes num_logits_to_keep, which onnxruntime-genai does not feed"
+                    if num_logits_to_keep else _write_genai_config(model, layout, staging, filename=genai_model))
     quantized = {name: parts_of["model"] for name, parts_of in quantized.items()}
     head = models[wanted[0].name]
     text_only = {name: path for name, path in head.items() if name != "model"}
@@ -171,9 +178,10 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype="fp32",
                     [d.name for d in wanted], models, quantized, None if no_genai else genai_model)
 
 
-def _export_parts(model, model_dir: str, target: str) -> tuple:
-    """`model` traced and converted: ({"model": decoder, and for a text-only checkpoint
-    "decoder_model_merged", "embed_tokens"}, layout, inputs, outputs, the decoder's op counts)."""
+def _export_parts(model, model_dir: str, target: str, num_logits_to_keep: bool) -> tuple:
+    """`model` traced, converted and made lean (`lean`): ({"model": decoder, and for a text-only
+    checkpoint "decoder_model_merged", "embed_tokens"}, layout, inputs, outputs, the decoder's
+    op counts)."""
     with _on_deltarule():
         layout = state_layout(model)
         program = _trace(model, layout)
@@ -196,6 +204,13 @@ def _export_parts(model, model_dir: str, target: str) -> tuple:
             parts["embed_tokens"] = to_onnx(embed, target, inputs=["input_ids"], outputs=["inputs_embeds"],
                                             roles={("input_ids", 0): "batch_size", ("input_ids", 1): "sequence_length"},
                                             opset=opset)
+    for name in ("model", "decoder_model_merged"):
+        if name in parts:
+            lean.shared_kv_heads(parts[name])
+            if num_logits_to_keep:
+                lean.keep_last_logits(parts[name])
+    if num_logits_to_keep:
+        inputs = [*inputs, lean.NUM_LOGITS_TO_KEEP]
     linear = len(layout.linear_layers)
     ops = graph.check(parts["model"], target, linear_layers=linear, convs=linear)
     if "decoder_model_merged" in parts:
@@ -212,7 +227,8 @@ def _quantized(proto, base: str, dtype, quantization: Quantization, target: str)
     return quantize.quantize(proto, dtype, quantization, standard=standard)
 
 
-def check_arguments(model_dir, out_dir, *, target, dtype, quantization=None, overwrite=False) -> tuple:
+def check_arguments(model_dir, out_dir, *, target, dtype, quantization=None, num_logits_to_keep=False,
+                    overwrite=False) -> tuple:
     """Every argument of `onnx` and both folders, before anything loads: (model_dir, out_dir
     as ``str``, the dtypes as `quantize.Dtype` records, the `Quantization`), or `ContractError`
     naming the argument."""
@@ -226,8 +242,9 @@ def check_arguments(model_dir, out_dir, *, target, dtype, quantization=None, ove
             raise ContractError("quantization", "None without a quantized dtype (q8, q4, q4f16)",
                                 f"{quantization!r} with dtype {[d.name for d in wanted]}")
     quantization = (quantization or Quantization()).check()
-    if not isinstance(overwrite, bool):
-        raise ContractError("overwrite", "a bool", repr(overwrite))
+    for name, value in (("num_logits_to_keep", num_logits_to_keep), ("overwrite", overwrite)):
+        if not isinstance(value, bool):
+            raise ContractError(name, "a bool", repr(value))
     if not isinstance(model_dir, (str, os.PathLike)) or not os.path.isdir(model_dir):
         raise ContractError("model_dir", "a checkpoint folder", repr(model_dir))
     model_dir = os.fspath(model_dir)

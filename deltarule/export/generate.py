@@ -176,6 +176,7 @@ class DecoderSession:
         positions = [shape for name, shape, _ in self.inputs if name == "position_ids"]
         self.positions = bool(positions)                  # deltarule's Qwen3.5 exports take none
         self.mrope = self.positions and bool(positions[0]) and positions[0][0] == 3
+        self.keeps_logits = "num_logits_to_keep" in names        # (deltarule.export.lean)
         self.embed = None if embed is None else DecoderSession._open(embed, "embed", runner, threads)
         self.session = DecoderSession._open(path, "path", runner, threads)
 
@@ -228,9 +229,13 @@ class DecoderSession:
                                        dtype=dtype)
         return state
 
-    def step(self, ids: np.ndarray, mask: np.ndarray, past: dict) -> tuple[np.ndarray, dict]:
+    def step(self, ids: np.ndarray, mask: np.ndarray, past: dict, *, keep_logits: int = 0) -> tuple[np.ndarray, dict]:
         """One call: ids [B, T], mask [B, past + T] -> (logits [B, T, vocab], the present state
-        under the past's names)."""
+        under the past's names). `keep_logits` n > 0: only the last n positions' logits
+        ([B, min(n, T), vocab]; computed only for those where the decoder takes
+        ``num_logits_to_keep``, sliced after the run otherwise)."""
+        if not _is_int(keep_logits) or keep_logits < 0:
+            raise ContractError("keep_logits", "an int >= 0 (0: every position)", repr(keep_logits))
         ids = self._ids(ids, "ids")
         B, T = ids.shape
         if not isinstance(mask, np.ndarray):
@@ -254,9 +259,9 @@ class DecoderSession:
                 if shape[axis] != want:
                     raise ContractError(label(name), f"dimension {axis} ({dim}) {want}: {what}",
                                         f"shape {list(shape)}")
-        return self._run(ids, mask, past)
+        return self._run(ids, mask, past, keep_logits)
 
-    def _run(self, ids: np.ndarray, mask: np.ndarray, past: dict) -> tuple[np.ndarray, dict]:
+    def _run(self, ids: np.ndarray, mask: np.ndarray, past: dict, keep_logits: int = 0) -> tuple[np.ndarray, dict]:
         """`step` on checked arguments."""
         B, T = ids.shape
         P = mask.shape[1] - T
@@ -271,7 +276,11 @@ class DecoderSession:
             if self.mrope:
                 pos = np.broadcast_to(pos, (3, B, T))
             feeds["position_ids"] = np.ascontiguousarray(pos, dtype=types["position_ids"])
+        if self.keeps_logits:
+            feeds["num_logits_to_keep"] = np.array(keep_logits, dtype=np.int64)
         out = dict(zip(self.outputs, self.session.run(None, feeds)))
+        if keep_logits and not self.keeps_logits:
+            out["logits"] = out["logits"][:, -keep_logits:]
         return out["logits"], {self.feedback[name]: value for name, value in out.items() if name != "logits"}
 
     def greedy(self, prompt: np.ndarray, max_new_tokens: int, *, eos_token_id: int | None = None,
@@ -292,7 +301,7 @@ class DecoderSession:
         mask = np.ones((B, prompt.shape[1]), dtype=np.int64)
         done = np.zeros(B, dtype=bool)
         for _ in range(max_new_tokens):
-            logits, past = self._run(ids, mask, past)
+            logits, past = self._run(ids, mask, past, 1)
             best = logits[:, -1].argmax(-1)
             next_ids = np.where(done, pad_token_id, best).astype(np.int64)
             fed = next_ids if fed_pad == pad_token_id else np.where(done, fed_pad, best).astype(np.int64)
