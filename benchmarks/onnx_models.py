@@ -1,20 +1,27 @@
-"""Whole-model ONNX exports side by side in onnxruntime (CPU), one run (issue 34, docs/export.md):
+"""Whole-model ONNX exports side by side in onnxruntime (CPU), one run (issues 34 and 47,
+docs/export.md):
 
-- ``deltarule``: `deltarule.export.onnx` (target ort: com.microsoft.LinearAttention and
-  CausalConvWithState nodes);
-- ``scan``: the same model with every linear-attention node as ``ai.deltarule::LinearAttention``
-  run through its ONNX function body (a ``Scan`` over tokens: what the first public exports of
-  these models did), from the opset-27 export;
-- ``genai``: onnxruntime-genai's own model builder (``python -m onnxruntime_genai.models.builder``)
-  on the same checkpoint, when onnxruntime_genai is installed (``.venv-genai``: bash .ci/genai install).
+- ``fp32`` / ``q4``: `deltarule.export.onnx` with ``dtype=["fp32", "q4"]`` (target ort:
+  com.microsoft.LinearAttention and CausalConvWithState nodes; q4 through onnxruntime's
+  weight-only quantizer at onnxruntime-genai's int4 defaults), from one trace;
+- ``q4-last``: the q4 export with ``num_logits_to_keep`` (prefill computes the last
+  position's logits only; onnxruntime-genai cannot feed that input, transformers.js does);
+- ``scan`` (``--scan``): the fp32 model with every linear-attention node as
+  ``ai.deltarule::LinearAttention`` run through its ONNX function body (a ``Scan`` over tokens:
+  what the first public exports of these models did), from the opset-27 export;
+- ``genai-fp32`` / ``genai-int4``: onnxruntime-genai's own model builder (``python -m
+  onnxruntime_genai.models.builder -p fp32 | int4 -e cpu``) on the same checkpoint, when
+  onnxruntime_genai is installed (``.venv-genai``: bash .ci/genai install).
 
 Each on a random-weight Qwen3.5 checkpoint (`deltarule.bench.checkpoints`: ``tiny`` and the
-Qwen3.5-0.8B shape), batch 1: prefill tokens/s of a prompt of each length from zero state, and
-decode tokens/s (one token after a past of that length). Timed with `deltarule.bench.timing.interleaved`
-(each implementation warmed up 0.1 s, then rounds of one >= 10 ms batch each, order rotated
-round to round, 20 ms pause before each batch); onnxruntime's default intra-op threads (one
-per core). Ratios: medians of per-round ratios, [min-max] over the rounds. Copy bandwidth
-measured in the same run.
+Qwen3.5-0.8B shape), batch 1: prefill tokens/s of a prompt of each length from zero state (the
+last position's logits asked for: a model without ``num_logits_to_keep`` computes them all),
+and decode tokens/s (one token after a past of that length). Timed with
+`deltarule.bench.timing.interleaved` (each implementation warmed up 0.1 s, then rounds of one
+>= 10 ms batch each, order rotated round to round, 20 ms pause before each batch);
+onnxruntime's default intra-op threads (one per core). Ratios (deltarule's speed over the
+other's): medians of per-round ratios, [min-max] over the rounds. Copy bandwidth measured in the
+same run; file sizes printed.
 
     .venv-genai/bin/python benchmarks/onnx_models.py --shape tiny --shape qwen3_5_0_8b --prompt 16 --prompt 1024
 """
@@ -54,8 +61,9 @@ def scan_variant(export: str, out: str | None = None) -> str:
     return out
 
 
-def genai_builder(checkpoint: str, out: str) -> str | None:
-    """onnxruntime-genai's builder on `checkpoint` (fp32, CPU); None when it is not installed.
+def genai_builder(checkpoint: str, out: str, precision: str = "fp32") -> str | None:
+    """onnxruntime-genai's builder on `checkpoint` (``-p precision``, CPU); None when it is not
+    installed.
 
     The builder takes Qwen3.5 only as ``Qwen3_5ForConditionalGeneration`` and checks that
     ``mrope_section`` sums to half the rotary dimension (the tiny shape's [11, 11, 10] does not):
@@ -81,40 +89,39 @@ def genai_builder(checkpoint: str, out: str) -> str | None:
         with open(os.path.join(source, "config.json"), "w") as f:
             json.dump(config, f)
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", source, "-o", out,
-                        "-p", "fp32", "-e", "cpu", "-c", os.path.join(out, "cache")], check=True)
+                        "-p", precision, "-e", "cpu", "-c", os.path.join(out, "cache")], check=True)
     return os.path.join(out, "model.onnx")
 
 
 def agree(sessions: dict, vocab: int) -> dict:
-    """Each session's prefill logits (16 tokens) against deltarule's: relative max error."""
+    """Each session's prefill logits (16 tokens) against its float reference's (genai's against
+    deltarule's fp32): relative max error."""
     ids = np.random.default_rng(1).integers(3, vocab, (1, 16), dtype=np.int64)
     mask = np.ones((1, 16), np.int64)
-    logits = {name: s.step(ids, mask, s.zero_state(1))[0] for name, s in sessions.items()}
-    ref = logits["deltarule"]
+    logits = {name: s.step(ids, mask, s.zero_state(1))[0].astype(np.float64) for name, s in sessions.items()}
+    ref = logits["fp32"]
     return {name: float(np.abs(x - ref).max() / np.abs(ref).max()) for name, x in logits.items()}
 
 
 def _prefill(session: DecoderSession, T: int, vocab: int):
     ids = np.random.default_rng(0).integers(3, vocab, (1, T), dtype=np.int64)
     mask, past = np.ones((1, T), np.int64), session.zero_state(1)
-    return lambda: session.step(ids, mask, past)
+    return lambda: session.step(ids, mask, past, keep_logits=1)
 
 
 def _decode(session: DecoderSession, T: int, vocab: int):
     ids = np.random.default_rng(0).integers(3, vocab, (1, T), dtype=np.int64)
-    _, past = session.step(ids, np.ones((1, T), np.int64), session.zero_state(1))
+    _, past = session.step(ids, np.ones((1, T), np.int64), session.zero_state(1), keep_logits=1)
     token, mask = ids[:, -1:], np.ones((1, T + 1), np.int64)
     return lambda: session.step(token, mask, past)
 
 
-def _row(shape: str, T: int, phase: str, rate: dict, ratios: dict) -> str:
-    """A table row: tokens/s of each implementation, and deltarule's speed over the others'
-    (their time / deltarule's per round: the median, [min-max] over rounds); "-" where one was
-    not timed."""
-    rates = [f"{rate[n]:.1f}" if n in rate else "-" for n in ("scan", "genai")]
-    spread = [f"{statistics.median(ratios[n]):.2f}x [{min(ratios[n]):.2f}-{max(ratios[n]):.2f}]" if n in ratios
-              else "-" for n in ("scan", "genai")]
-    return "| " + " | ".join([shape, str(T), phase, f"{rate['deltarule']:.1f}", *rates, *spread]) + " |"
+# (ours, theirs): the ratios printed, where both were timed
+PAIRS = (("fp32", "genai-fp32"), ("q4", "genai-int4"), ("q4-last", "genai-int4"), ("fp32", "scan"))
+
+
+def _spread(ratios: list) -> str:
+    return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
 
 
 def main(argv=None) -> int:
@@ -126,47 +133,64 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", default=".onnx-models")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--budget", type=float, default=20.0, help="seconds per implementation and case")
+    parser.add_argument("--scan", action="store_true", help="also time the Scan twin (fp32)")
     args = parser.parse_args(argv)
     shapes, prompts = args.shape or ["tiny"], args.prompt or [16, 1024]
     bandwidth = copy_bandwidth()
     print(f"# onnxruntime CPU, {os.cpu_count()} cores, {platform.processor() or platform.machine()}; "
           f"copy bandwidth {bandwidth:.1f} GB/s")
-    print("| shape | prompt | phase | deltarule tok/s | scan tok/s | genai builder tok/s | deltarule / scan "
-          "| deltarule / genai |")
-    print("|---|---|---|---|---|---|---|---|")
     for shape in shapes:
         root = os.path.join(args.workdir, shape)
         vocab = 512 if shape == "tiny" else None
         ck = checkpoints.save("qwen3_5", os.path.join(root, "checkpoint"), shape=shape, vocab_size=vocab)
         vocab = checkpoints.config("qwen3_5", shape, vocab_size=vocab).vocab_size
-        ours = os.path.join(root, "deltarule", "onnx", "model.onnx")
-        if not os.path.isfile(ours):
-            export_onnx(ck, os.path.join(root, "deltarule"), overwrite=True)
-        standard = os.path.join(root, "opset27", "onnx", "model.onnx")
-        if not os.path.isfile(standard):
-            export_onnx(ck, os.path.join(root, "opset27"), target="onnx", overwrite=True)
-        scan = scan_variant(standard)
-        sessions = {"deltarule": DecoderSession(ours), "scan": DecoderSession(scan)}
-        builder = genai_builder(ck, os.path.join(root, "genai"))
-        if builder:
-            head_dim = checkpoints.config("qwen3_5", shape).head_dim
-            sessions["genai"] = DecoderSession(builder, sizes={"kv_cache_dim": head_dim})
+        ours = os.path.join(root, "deltarule", "onnx")
+        if not os.path.isfile(os.path.join(ours, "model_q4.onnx")):
+            export_onnx(ck, os.path.join(root, "deltarule"), dtype=["fp32", "q4"], overwrite=True)
+        last = os.path.join(root, "deltarule-last", "onnx", "model_q4.onnx")
+        if not os.path.isfile(last):
+            export_onnx(ck, os.path.join(root, "deltarule-last"), dtype="q4", num_logits_to_keep=True, overwrite=True)
+        files = {"fp32": os.path.join(ours, "model.onnx"), "q4": os.path.join(ours, "model_q4.onnx"), "q4-last": last}
+        if args.scan:
+            standard = os.path.join(root, "opset27", "onnx", "model.onnx")
+            if not os.path.isfile(standard):
+                export_onnx(ck, os.path.join(root, "opset27"), target="onnx", overwrite=True)
+            files["scan"] = scan_variant(standard)
+        sessions = {name: DecoderSession(path) for name, path in files.items()}
+        head_dim = checkpoints.config("qwen3_5", shape).head_dim
+        for precision in ("fp32", "int4"):
+            builder = genai_builder(ck, os.path.join(root, f"genai-{precision}"), precision)
+            if builder:
+                files[f"genai-{precision}"] = builder
+                sessions[f"genai-{precision}"] = DecoderSession(builder, sizes={"kv_cache_dim": head_dim})
+        print(f"{shape}: file bytes (with external data): " + ", ".join(
+            f"{name} {_bytes(path) / 1e6:.1f} MB" for name, path in files.items() if name != "scan"), flush=True)
         errors = agree(sessions, vocab)
-        print(f"{shape}: prefill logits vs deltarule's export, relative max error: "
-              + ", ".join(f"{name} {e:.1e}" for name, e in errors.items() if name != "deltarule"), flush=True)
-        for name, e in errors.items():
-            if e > 1e-3:                                   # a graph computing something else is not timed
-                print(f"{shape}: {name} disagrees ({e:.1e}): not timed", flush=True)
+        print(f"{shape}: prefill logits vs deltarule's fp32 export, relative max error: "
+              + ", ".join(f"{name} {e:.1e}" for name, e in errors.items() if name != "fp32"), flush=True)
+        for name in ("scan", "genai-fp32"):
+            if name in errors and errors[name] > 1e-3:        # a graph computing something else is not timed
+                print(f"{shape}: {name} disagrees ({errors[name]:.1e}): not timed", flush=True)
                 del sessions[name]
+        names = list(sessions)
+        pairs = [(a, b) for a, b in PAIRS if a in sessions and b in sessions]
+        print(f"| shape | prompt | phase | {' | '.join(n + ' tok/s' for n in names)} | "
+              + " | ".join(f"{a} / {b}" for a, b in pairs) + " |")
+        print("|---" * (3 + len(names) + len(pairs)) + "|")
         for T in prompts:
             for phase, make in (("prefill", _prefill), ("decode", _decode)):
                 fns = {name: make(s, T, vocab) for name, s in sessions.items()}
                 timings = interleaved(fns, args.rounds, args.budget)
                 tokens = T if phase == "prefill" else 1
-                rate = {name: tokens / t.median for name, t in timings.items()}
-                ratio = {name: timings[name].ratios(timings["deltarule"]) for name in timings if name != "deltarule"}
-                print(_row(shape, T, phase, rate, ratio), flush=True)
+                rates = [f"{tokens / timings[n].median:.1f}" for n in names]
+                ratios = [_spread(timings[b].ratios(timings[a])) for a, b in pairs]
+                print("| " + " | ".join([shape, str(T), phase, *rates, *ratios]) + " |", flush=True)
     return 0
+
+
+def _bytes(path: str) -> int:
+    """A model file's bytes with its external data (deltarule's ``<file>_data``, genai's ``<file>.data``)."""
+    return os.path.getsize(path) + sum(os.path.getsize(path + s) for s in ("_data", ".data") if os.path.isfile(path + s))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import onnxruntime as ort  # noqa: E402
 import deltarule  # noqa: E402
 import deltarule.export  # noqa: E402
 from deltarule.bench import checkpoints  # noqa: E402
-from deltarule.export import Quantization, quantize  # noqa: E402
+from deltarule.export import Quantization, lean, quantize  # noqa: E402
 from deltarule.export.generate import DecoderSession  # noqa: E402
 
 from conftest import rel  # noqa: E402
@@ -58,7 +58,9 @@ def every_dtype(tied, tmp_path_factory):
 
 
 def _weight_matmuls(model):
-    return list(quantize._weight_matmuls(model))
+    """(name, [K, N]) of the float weight MatMuls: (narrow ones, the others)."""
+    found = [(n.name, list(w.dims), lean.narrow(w)) for n, w in lean.weight_matmuls(model)]
+    return [(n, d) for n, d, small in found if small], [(n, d) for n, d, small in found if not small]
 
 
 def _logits(path, ids=PROMPT):
@@ -87,13 +89,15 @@ def test_every_weight_is_quantized_tied_head_included(every_dtype, dtype):
     model = onnx.load(ex.models[dtype]["model"])
     onnx.checker.check_model(model)
     float_model = onnx.load(ex.models["fp16" if dtype == "q4f16" else "fp32"]["model"])
-    weights = len(_weight_matmuls(float_model))
+    narrow, weights = _weight_matmuls(float_model)
+    assert len(narrow) == 1 and narrow[0][1] == [128, 4]            # the a / b gate projections, merged
     untied = sum(1 for n in float_model.graph.node if n.op_type == "MatMul"
                  and any(p.op_type == "Transpose" and p.output[0] == n.input[1] for p in float_model.graph.node))
     assert untied == 1                                        # the float graph's head: Transpose of the table
     ops = [(n.domain, n.op_type) for n in model.graph.node]
-    assert ops.count(("com.microsoft", "MatMulNBits")) == weights + untied
-    assert _weight_matmuls(model) == [] and ex.quantized[dtype].left_float == ()
+    assert ops.count(("com.microsoft", "MatMulNBits")) == len(weights) + untied
+    assert _weight_matmuls(model) == (narrow, []) and ex.quantized[dtype].left_float == ()
+    assert list(ex.quantized[dtype].kept_float) == narrow
     assert ops.count(("com.microsoft", "GatherBlockQuantized")) == (1 if dtype != "q8" else 0)
     bits = {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"}
     assert bits == {int(dtype[1])}
@@ -155,7 +159,9 @@ def test_standard_target_quantizes_to_dequantize_linear(tied, tmp_path):
     model = onnx.load(ex.models["q4"]["model"])
     assert not any(n.domain == "com.microsoft" for n in model.graph.node)
     dequantize = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
-    assert len(dequantize) == len(_weight_matmuls(onnx.load(ex.models["q4"]["model"]))) or dequantize
+    narrow, weights = _weight_matmuls(model)
+    assert len(dequantize) == sum(1 for n in model.graph.node if n.op_type == "MatMul") - len(narrow) > 0
+    assert weights == []
     assert {a.i for n in dequantize for a in n.attribute if a.name == "block_size"} == {16}
     assert all(len(n.input) == 3 for n in dequantize)                  # zero points: asymmetric
     assert rel(_logits(ex.models["q4"]["model"]), _logits_of_float(tied, tmp_path)) < 0.3
@@ -208,6 +214,17 @@ def test_cli_dtypes_and_refusal(tied, tmp_path, capsys):
     assert "dtype" in capsys.readouterr().err
     assert main(["export", "onnx", tied, str(tmp_path / "bad2"), "--block-size", "32"]) == 2
     assert "quantization" in capsys.readouterr().err
+
+
+def test_sibling_matmuls_merged(every_dtype):
+    """One MatMul per activation read by several weights: each layer's q / k / v, the MLP's
+    gate / up, Gated DeltaNet's qkv / z (and its a / b, among themselves)."""
+    model = onnx.load(every_dtype.models["fp32"]["model"])
+    readers = {}
+    for node, weight in lean.weight_matmuls(model):
+        readers.setdefault((node.input[0], lean.narrow(weight)), []).append(node.name)
+    assert all(len(names) == 1 for names in readers.values()), readers
+    assert sum(n.op_type == "Split" and n.name.endswith(".split") for n in model.graph.node) == 5
 
 
 def test_num_logits_to_keep(tied, tmp_path):

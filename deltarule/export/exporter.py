@@ -152,7 +152,9 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype="fp32",
         for float_name in [name for name in _TORCH_DTYPES if name in traced]:
             model = load(model_dir, _TORCH_DTYPES[float_name], config=config)
             parts, layout, inputs, outputs, ops = _export_parts(model, model_dir, target, num_logits_to_keep)
-            for d in (d for d in wanted if d.traced == float_name):
+            # the quantized dtypes first: they work on copies, and saving a float model whose
+            # weights pass 2 GB moves them out of the proto (external data)
+            for d in sorted((d for d in wanted if d.traced == float_name), key=lambda d: d.bits is None):
                 written = {}
                 for base, proto in parts.items():
                     if d.bits is not None:
@@ -163,14 +165,14 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype="fp32",
                     written[base] = os.path.join(out_dir, "onnx", os.path.basename(path))
                 models[d.name] = written
                 if d is wanted[0]:
-                    first = (layout, inputs, outputs, ops, model)
+                    first = (layout, inputs, outputs, ops, model.config)
             del model, parts
         _copy_checkpoint_files(model_dir, staging, external)
-        layout, inputs, outputs, ops, model = first
+        layout, inputs, outputs, ops, hf_config = first
         genai_dtype = next((d for d in wanted if d.name == "q4"), wanted[0])
         genai_model = f"onnx/{quantize.file_name('model', genai_dtype)}"
         no_genai = ("the decoder takes num_logits_to_keep, which onnxruntime-genai does not feed"
-                    if num_logits_to_keep else _write_genai_config(model, layout, staging, filename=genai_model))
+                    if num_logits_to_keep else _write_genai_config(hf_config, layout, staging, filename=genai_model))
     quantized = {name: parts_of["model"] for name, parts_of in quantized.items()}
     head = models[wanted[0].name]
     text_only = {name: path for name, path in head.items() if name != "model"}
@@ -207,6 +209,7 @@ def _export_parts(model, model_dir: str, target: str, num_logits_to_keep: bool) 
     for name in ("model", "decoder_model_merged"):
         if name in parts:
             lean.shared_kv_heads(parts[name])
+            lean.merge_sibling_matmuls(parts[name])
             if num_logits_to_keep:
                 lean.keep_last_logits(parts[name])
     if num_logits_to_keep:
@@ -512,11 +515,11 @@ def text_only_split(model_dir: str) -> bool:
     return architectures[0].endswith("ForConditionalGeneration")
 
 
-def _write_genai_config(model, layout: StateLayout, out_dir: str, *, filename: str) -> str | None:
+def _write_genai_config(config, layout: StateLayout, out_dir: str, *, filename: str) -> str | None:
     """genai_config.json for onnxruntime-genai (`deltarule.export.genai`) naming the decoder
     `filename`; the reason it is not written (a family genai cannot run), or None."""
     try:
-        config = genai.genai_config(model.config, layout, filename=filename, state_names=genai.STATE_NAMES)
+        config = genai.genai_config(config, layout, filename=filename, state_names=genai.STATE_NAMES)
     except Unsupported as reason:
         return str(reason)
     with open(os.path.join(out_dir, "genai_config.json"), "w") as f:

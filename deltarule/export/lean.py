@@ -5,6 +5,14 @@
   ONNX ``Attention`` nodes, which take grouped heads natively (query head i reads key / value
   head i // (q_heads / kv_heads), transformers' grouping). The copy cost a Qwen3.5-0.8B decode
   step ~22 ms of ~200 on ONNX Runtime's CPU.
+- `merge_sibling_matmuls`: the weight MatMuls that read the same activation (a layer's q / k / v
+  projections, the MLP's gate and up, Gated DeltaNet's qkv and z) become one MatMul over the
+  weights side by side and a ``Split``: one larger product (one quantized activation per step
+  for MatMulNBits' int8 path) in place of several. Block quantization runs down each column, so
+  quantizing the merged weight quantizes every column exactly as before. `narrow` weights (fewer
+  than 1/16 as many columns as rows: Gated DeltaNet's a / b gate projections, one column per
+  head) merge only among themselves, and the quantizer leaves them float
+  (`deltarule.export.quantize`), as onnxruntime-genai's builder does.
 - `keep_last_logits`: a ``num_logits_to_keep`` input (int64 scalar, transformers.js's and
   transformers' ``logits_to_keep``: 0 computes every position's logits, n > 0 the last n) that
   slices the hidden states before the LM head: a 1024-token prefill computes one row of
@@ -13,10 +21,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
 NUM_LOGITS_TO_KEEP = "num_logits_to_keep"
+_FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
 
 
 def _producers(graph) -> dict:
@@ -78,6 +88,61 @@ def shared_kv_heads(model: onnx.ModelProto) -> int:
             rewritten += 1
     _remove_dead(graph)
     return rewritten
+
+
+def narrow(weight: onnx.TensorProto) -> bool:
+    """A weight [K, N] with N < K / 16 (module docstring)."""
+    return weight.dims[1] * 16 < weight.dims[0]
+
+
+def weight_matmuls(model: onnx.ModelProto) -> list:
+    """(node, weight initializer) of each standard MatMul whose second input is a 2-D float
+    initializer [K, N]."""
+    weights = {t.name: t for t in model.graph.initializer if len(t.dims) == 2 and t.data_type in _FLOAT_TYPES}
+    return [(node, weights[node.input[1]]) for node in model.graph.node
+            if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and node.input[1] in weights]
+
+
+def merge_sibling_matmuls(model: onnx.ModelProto) -> int:
+    """Merge the weight MatMuls reading one activation (module docstring), in place; returns the
+    number of MatMuls removed. A weight read by anything else is left alone."""
+    graph = model.graph
+    readers = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    groups = {}
+    for node, weight in weight_matmuls(model):
+        if readers[weight.name] != 1:
+            continue
+        groups.setdefault((node.input[0], weight.dims[0], weight.data_type, narrow(weight)), []).append((node, weight))
+    removed = 0
+    order = {id(node): i for i, node in enumerate(graph.node)}
+    for (activation, _, _, _), members in groups.items():
+        if len(members) < 2:
+            continue
+        members.sort(key=lambda m: order[id(m[0])])
+        arrays = [onnx.numpy_helper.to_array(w) for _, w in members]
+        merged_name = "+".join(w.name for _, w in members)
+        merged = onnx.numpy_helper.from_array(np.concatenate(arrays, axis=1), name=merged_name)
+        product = f"{merged_name}.product"
+        split_sizes = f"{merged_name}.split"
+        first = members[0][0]
+        index = list(graph.node).index(first)
+        new_nodes = [
+            helper.make_node("MatMul", [activation, merged_name], [product], name=f"{first.name}.merged"),
+            helper.make_node("Split", [product, split_sizes], [n.output[0] for n, _ in members], axis=-1,
+                             name=f"{first.name}.split"),
+        ]
+        for node, weight in members:
+            graph.node.remove(node)
+            graph.initializer.remove(weight)
+        for offset, node in enumerate(new_nodes):
+            graph.node.insert(index + offset, node)
+        graph.initializer.extend([merged, helper.make_tensor(split_sizes, TensorProto.INT64, [len(members)],
+                                                             [int(a.shape[1]) for a in arrays])])
+        removed += len(members) - 1
+    return removed
 
 
 def keep_last_logits(model: onnx.ModelProto) -> None:

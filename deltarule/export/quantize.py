@@ -21,8 +21,10 @@ onnxruntime-genai's builder unties it) becomes ``com.microsoft.MatMulNBits``; wi
 embedding table becomes ``com.microsoft.GatherBlockQuantized`` (`Quantization.embeddings`; the
 quantizer has no 8-bit Gather). The ``"onnx"`` target keeps to standard ops: its weights become
 blocked ``DequantizeLinear`` -> ``MatMul`` (the quantizer's QDQ form; ONNX Runtime fuses the
-pair into MatMulNBits when it loads the model). Weights the quantizer cannot take (the 3-D
-expert tensors of a MoE layer, batched matmuls) stay float and are counted in `Quantized`.
+pair into MatMulNBits when it loads the model). Weights with fewer than 1/16 as many columns as rows (Gated
+DeltaNet's per-head a / b gate projections) stay float, as onnxruntime-genai's builder keeps them;
+weights the quantizer cannot take (the 3-D expert tensors of a MoE layer, batched matmuls) stay
+float too; `Quantized` names both.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import numpy as np
 import onnx
 
 from ..errors import ContractError, Unsupported
+from .lean import narrow, weight_matmuls
 
 
 @dataclass(frozen=True)
@@ -91,11 +94,14 @@ class Quantization:
 
 @dataclass(frozen=True)
 class Quantized:
-    """What quantizing one model did: the count of (domain, op) nodes it made, and the weight
-    MatMuls (by node name, with the weight's shape) it left float."""
+    """What quantizing one model did: the count of (domain, op) nodes it made, the weight
+    MatMuls (node name, weight shape) kept float by choice (`deltarule.export.lean.narrow`: the
+    per-head gate projections) and those the
+    quantizer did not take (left float)."""
 
     made: dict
     left_float: tuple
+    kept_float: tuple = ()
 
 
 def dtypes(dtype) -> list[Dtype]:
@@ -132,6 +138,7 @@ def quantize(model: onnx.ModelProto, dtype: Dtype, quantization: Quantization, *
                                                                  MatMulNBitsQuantizer)
     from onnxruntime.quantization.quant_utils import QuantFormat
     model = _untie_transposed_weights(model)
+    kept = [(node.name, list(w.dims)) for node, w in weight_matmuls(model) if narrow(w)]
     gather = dtype.bits == 4 and quantization.embeddings and not standard
     ops = ("MatMul", "Gather") if gather else ("MatMul",)
     config = DefaultWeightOnlyQuantConfig(
@@ -143,7 +150,8 @@ def quantize(model: onnx.ModelProto, dtype: Dtype, quantization: Quantization, *
         with _quiet_quantizer():
             quantizer = MatMulNBitsQuantizer(model, bits=dtype.bits, block_size=quantization.block_size,
                                              is_symmetric=quantization.symmetric,
-                                             accuracy_level=quantization.accuracy_level, algo_config=config)
+                                             accuracy_level=quantization.accuracy_level, algo_config=config,
+                                             nodes_to_exclude=[name for name, _ in kept])
             quantizer.process()
     except Exception as error:           # noqa: BLE001 - whatever onnxruntime's quantizer raises
         raise Unsupported(f"onnxruntime's quantizer failed on the {dtype.name} model: "
@@ -151,28 +159,21 @@ def quantize(model: onnx.ModelProto, dtype: Dtype, quantization: Quantization, *
     result = quantizer.model.model
     after = Counter((n.domain, n.op_type) for n in result.graph.node)
     made = {op: after[op] - before.get(op, 0) for op in after if after[op] > before.get(op, 0)}
-    left = tuple(_weight_matmuls(result))
+    left = tuple((node.name, list(w.dims)) for node, w in weight_matmuls(result) if not narrow(w))
     if not made:
         raise Unsupported(f"onnxruntime's quantizer quantized no weight of the {dtype.name} model "
                           f"({len(left)} weight MatMuls left float)")
-    return result, Quantized(made, left)
-
-
-def _weight_matmuls(model: onnx.ModelProto):
-    """(node name, weight shape) of each MatMul whose second input is a 2-D float initializer."""
-    weights = {t.name: list(t.dims) for t in model.graph.initializer
-               if len(t.dims) == 2 and t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)}
-    for node in model.graph.node:
-        if node.op_type == "MatMul" and node.domain == "" and node.input[1] in weights:
-            yield node.name, weights[node.input[1]]
+    return result, Quantized(made, left, tuple(kept))
 
 
 def _untie_transposed_weights(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of `model` in which a MatMul whose weight reaches it through ``Transpose`` of an
+    """A copy of `model` (the quantizer rewrites the model it is given) in which a MatMul whose weight reaches it through ``Transpose`` of an
     initializer (a tied LM head: torch.onnx keeps one embedding table and transposes it for the
     head) reads a transposed copy instead: onnxruntime's quantizer takes only initializer weights
     (it skipped the head: 60 ms of a 198 ms Qwen3.5-0.8B decode step stayed float)."""
-    model = onnx.ModelProto.FromString(model.SerializeToString())
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)            # (in memory: a 0.8B float32 model is past protobuf's 2 GB serialization)
+    model = copy
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     producers = {out: node for node in graph.node for out in node.output}
