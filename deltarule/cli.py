@@ -8,6 +8,12 @@ import sys
 
 from .errors import ContractError, Unsupported, one_line
 
+# `deltarule export onnx`'s names (deltarule.export.graph.TARGETS, deltarule.export.quantize's
+# DTYPES and ALIASES; kept here so the command line parses without importing onnx; a test
+# compares them)
+EXPORT_TARGETS = ("ort", "onnx", "ort-gpu")
+EXPORT_DTYPES = ("fp32", "fp16", "q8", "q4", "q4f16", "float32", "float16")
+
 # The user errors a command reports as one line on stderr with exit status 2: a bad
 # argument (`ContractError`, also an output path that cannot be written,
 # `deltarule.paths`) or a valid request deltarule declines (`Unsupported`). Anything else
@@ -65,11 +71,11 @@ def _parser() -> argparse.ArgumentParser:
     p_onnx = model_sub.add_parser("onnx", help="write MODEL_DIR's decoder with fused linear-attention nodes to OUT_DIR")
     p_onnx.add_argument("model_dir", metavar="MODEL_DIR", help="a local checkpoint folder")
     p_onnx.add_argument("out_dir", metavar="OUT_DIR")
-    p_onnx.add_argument("--target", default="ort",
+    p_onnx.add_argument("--target", default="ort", choices=EXPORT_TARGETS,
                         help="the linear-attention node (docs/export.md): ort (default): com.microsoft."
                              "LinearAttention, ONNX Runtime's CPU form; ort-gpu: com.microsoft.GatedDeltaNet, "
                              "its CUDA / WebGPU form; onnx: the opset-27 standard ops")
-    p_onnx.add_argument("--dtype", action="append", metavar="DTYPE",
+    p_onnx.add_argument("--dtype", action="append", metavar="DTYPE", choices=EXPORT_DTYPES,
                         help="transformers.js's dtype names: fp32 (default), fp16, q8, q4, q4f16 (float32 / "
                              "float16 also taken); repeatable: each to the file transformers.js loads for it")
     p_onnx.add_argument("--block-size", type=int, help="q8 / q4 / q4f16: weights per scale (default 32)")

@@ -229,6 +229,123 @@ def test_float16_export(exported):
                                   tokens.numpy())
 
 
+# Target ort-gpu: com.microsoft.GatedDeltaNet (ONNX Runtime's CUDA / WebGPU form), on the CPU EP.
+# Its node normalizes q and k with eps 1e-12 where transformers' layers use 1e-6: against
+# transformers with its l2norm at the node's epsilon the logits agree as the ort target's do;
+# against transformers as it is, within the epsilon's effect (observed 3.5e-5 to 7e-5 here:
+# the tiny random models' q / k rows are short; the relative change of a row is ~eps / (2 |x|^2))
+GPU_FAMILIES = ["qwen3_5", "qwen3_next", "kimi_linear"]
+L2NORM_EPS_TOL = 5e-4
+
+
+@contextlib.contextmanager
+def _l2norm_eps(model, forced: float):
+    """transformers' module-level ``l2norm`` of `model`'s family (its torch path normalizes q and
+    k with it, eps=1e-6) at eps `forced` while the block runs."""
+    import importlib
+    module = importlib.import_module(type(model).__module__)
+    original = module.l2norm
+
+    def l2norm(x, dim=-1, eps=None):
+        return original(x, dim=dim, eps=forced)
+    module.l2norm = l2norm
+    try:
+        yield
+    finally:
+        module.l2norm = original
+
+
+@pytest.mark.parametrize("family", GPU_FAMILIES)
+def test_ort_gpu_target_is_gated_delta_net_with_fused_gates_and_transformers_logits(exported, family):
+    """One com.microsoft.GatedDeltaNet per linear layer, rank-4 q / k / v, the L2 norm, beta's
+    sigmoid and (Gated DeltaNet's per-head decay) the gate fused into it: no Softplus left,
+    one Sigmoid fewer per layer, fewer nodes than the ort target's graph. In onnxruntime (CPU) a
+    padded prefill then decode steps feeding the state back give transformers' logits;
+    `deltarule.onnx.run` (the node computed by deltarule) gives onnxruntime's."""
+    from deltarule.export.translate import GATED_DELTA_NET_L2NORM_EPS
+    ck, ex = exported(family, "ort-gpu")
+    _, ort_ex = exported(family)
+    model = onnx.load(ex.path)
+    onnx.checker.check_model(model, full_check=True)
+    linear = len(ex.layout.linear_layers)
+    nodes = [(n.domain, n.op_type) for g in _subgraphs(model.graph) for n in g.node]
+    assert nodes.count(("com.microsoft", "GatedDeltaNet")) == linear == ex.ops[("com.microsoft", "GatedDeltaNet")]
+    assert nodes.count(("com.microsoft", "CausalConvWithState")) == linear
+    assert not [n for n in nodes if n[1] in ("LinearAttention", "Scan", "Loop", "If", "ReduceSumSquare")]
+    assert ex.ops[("", "Sigmoid")] == ort_ex.ops[("", "Sigmoid")] - linear
+    assert sum(ex.ops.values()) < sum(ort_ex.ops.values())
+    kda = family == "kimi_linear"
+    for node in (n for n in model.graph.node if n.op_type == "GatedDeltaNet"):
+        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attributes["qk_l2_norm"] == 1 and attributes["chunk_size"] == 16
+        assert attributes["beta_activation"] == b"sigmoid"
+        assert attributes["gate_activation"] == (b"none" if kda else b"qwen")
+        assert len([x for x in node.input[7:9] if x]) == (0 if kda else 2)
+    if not kda:                                   # the decay chain went into the node
+        assert ("", "Softplus") not in ex.ops and ort_ex.ops[("", "Softplus")] == linear
+    # the recurrent state in and out V-major, the node's layout: no Transpose around the node
+    state = {(n.input[6], n.output[1]) for n in model.graph.node if n.op_type == "GatedDeltaNet"}
+    assert state == {(f"past_recurrent.{i}", f"present_recurrent.{i}") for i in ex.layout.linear_layers}
+    assert ex.ops[("", "Transpose")] == ort_ex.ops[("", "Transpose")]
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in (*model.graph.input, *model.graph.output)}
+    ort_dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+                for v in onnx.load(ort_ex.path).graph.input}
+    for i in ex.layout.linear_layers:
+        b, h, k, v = ort_dims[f"past_recurrent.{i}"]
+        assert dims[f"past_recurrent.{i}"] == dims[f"present_recurrent.{i}"] == [b, h, v, k]
+
+    torch_model = _model(ck)
+    session = DecoderSession(ex.path)
+    ids, mask = _padded_prompts(256, [9, 3, 40])
+    steps = torch.randint(3, 256, (3, 3), generator=torch.Generator().manual_seed(1))
+    full_ids, full_mask = torch.cat((ids, steps), 1), torch.cat((mask, torch.ones_like(steps)), 1)
+    position_ids = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad(), integration.torch_fallback():
+        as_is = torch_model(full_ids, attention_mask=full_mask, position_ids=position_ids).logits.numpy()
+        with _l2norm_eps(torch_model, GATED_DELTA_NET_L2NORM_EPS):
+            want = torch_model(full_ids, attention_mask=full_mask, position_ids=position_ids).logits.numpy()
+    got, past = _step(session, ids, mask, position_ids[:, :ids.shape[1]], session.zero_state(3))
+    live = mask.bool().numpy()
+    assert rel(got[live], want[:, :ids.shape[1]][live]) < LOGITS_TOL["float32"]
+    assert rel(got[live], as_is[:, :ids.shape[1]][live]) < L2NORM_EPS_TOL
+    for t in range(steps.shape[1]):
+        n = ids.shape[1] + t
+        got, past = _step(session, steps[:, t:t + 1], full_mask[:, :n + 1], position_ids[:, n:n + 1], past)
+        assert rel(got[:, 0], want[:, n]) < LOGITS_TOL["float32"], f"decode step {t}"
+        assert rel(got[:, 0], as_is[:, n]) < L2NORM_EPS_TOL, f"decode step {t}"
+    prompt = ids[:2, -5:].numpy()
+    ours = DecoderSession(ex.path, runner="deltarule")
+    a, _ = session.step(prompt, np.ones((2, 5), np.int64), session.zero_state(2))
+    b, _ = ours.step(prompt, np.ones((2, 5), np.int64), ours.zero_state(2))
+    assert rel(b, a) < 5e-6
+
+
+class _GQALayer(torch.nn.Module):
+    def forward(self, q, k, v, g, beta):
+        return deltarule.linear_attention(q, k, v, g=g, beta=beta)[0]
+
+
+def test_ort_gpu_refuses_gqa_naming_the_layer_before_converting(monkeypatch):
+    """GatedDeltaNet takes value heads a multiple of query heads; more query heads than key /
+    value heads (GQA) has no node: refused at export time, naming the layer, before torch.onnx
+    runs. The ort target exports the same program."""
+    from deltarule.export.exporter import _check_calls, to_onnx
+    B, T, K = 1, 2, 8
+    args = (torch.randn(B, T, 4, K), torch.randn(B, T, 2, K), torch.randn(B, T, 2, K), -torch.rand(B, T, 2),
+            torch.rand(B, T, 2))
+    program = torch.export.export(_Model(_GQALayer()), args, strict=False)
+    _check_calls(program, "ort")
+
+    def convert(*args, **kwargs):
+        raise AssertionError("converted before the call was checked")
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.onnx, "export", convert)
+        with pytest.raises(deltarule.Unsupported, match=r"layer mixer: GQA \(query heads Hq = 4 above key / value "
+                           r"heads Hk = 2, Hv = 2\) has no com.microsoft.GatedDeltaNet node \(target 'ort-gpu'"):
+            to_onnx(program, "ort-gpu", inputs=["q", "k", "v", "g", "beta"], outputs=["o"], roles={})
+
+
 def test_export_copies_the_checkpoint_files(exported):
     ck, ex = exported("qwen3_5")
     import os
@@ -239,8 +356,9 @@ def test_export_copies_the_checkpoint_files(exported):
 def test_bad_arguments_and_unknown_families_are_refused_before_writing(tmp_path, exported):
     ck, _ = exported("qwen3_5")
     out = tmp_path / "out"
-    with pytest.raises(deltarule.ContractError, match="target"):
-        deltarule.export.onnx(ck, str(out), target="tflite")
+    for target in ("tflite", "ort_gpu", "ORT-GPU", "webgpu"):
+        with pytest.raises(deltarule.ContractError, match="^target: expected 'ort' \\| 'onnx' \\| 'ort-gpu', got"):
+            deltarule.export.onnx(ck, str(out), target=target)
     with pytest.raises(deltarule.ContractError, match="dtype"):
         deltarule.export.onnx(ck, str(out), dtype="int8")
     with pytest.raises(deltarule.ContractError, match="model_dir"):
@@ -431,7 +549,7 @@ def test_weights_past_the_protobuf_limit_go_to_one_external_file(tmp_path, expor
     assert (tmp_path / "out" / "onnx" / "model.onnx").stat().st_size < (1 << 20)
     with open(tmp_path / "out" / "config.json") as f:
         config = json.load(f)
-    assert config["transformers.js_config"]["use_external_data_format"] is True
+    assert config["transformers.js_config"]["use_external_data_format"] == {"model.onnx": 1}   # the file that has it
     with open(f"{ex.directory}/config.json") as f:           # (below the limit: the config as it was)
         assert "transformers.js_config" not in json.load(f)
     prompt = np.array([[5, 9, 200, 31]], dtype=np.int64)

@@ -209,9 +209,14 @@ def test_bad_dtype_or_quantization_refused_before_writing(tied, tmp_path, kwargs
 
 
 def test_cli_dtypes_and_refusal(tied, tmp_path, capsys):
-    from deltarule.cli import main
-    assert main(["export", "onnx", tied, str(tmp_path / "bad"), "--dtype", "q5"]) == 2
-    assert "dtype" in capsys.readouterr().err
+    from deltarule import cli
+    from deltarule.export import graph
+    assert cli.EXPORT_DTYPES == (*quantize.DTYPES, *quantize.ALIASES)
+    assert cli.EXPORT_TARGETS == tuple(graph.TARGETS)
+    with pytest.raises(SystemExit) as exit_:                         # argparse: a usage error
+        cli.main(["export", "onnx", tied, str(tmp_path / "bad"), "--dtype", "q5"])
+    assert exit_.value.code == 2 and "--dtype" in capsys.readouterr().err
+    main = cli.main
     assert main(["export", "onnx", tied, str(tmp_path / "bad2"), "--block-size", "32"]) == 2
     assert "quantization" in capsys.readouterr().err
 

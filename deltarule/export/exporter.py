@@ -210,6 +210,8 @@ def _export_parts(model, model_dir: str, target: str, num_logits_to_keep: bool) 
         if name in parts:
             lean.shared_kv_heads(parts[name])
             lean.merge_sibling_matmuls(parts[name])
+            if target != "onnx":                  # (a com.microsoft op: not in the standard target)
+                lean.skip_rms_norms(parts[name])
             if num_logits_to_keep:
                 lean.keep_last_logits(parts[name])
     if num_logits_to_keep:

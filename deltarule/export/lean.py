@@ -13,6 +13,9 @@
   than 1/16 as many columns as rows: Gated DeltaNet's a / b gate projections, one column per
   head) merge only among themselves, and the quantizer leaves them float
   (`deltarule.export.quantize`), as onnxruntime-genai's builder does.
+- `skip_rms_norms` (ONNX Runtime's targets): a residual ``Add`` followed by ``RMSNormalization``
+  of its sum becomes ``com.microsoft.SkipSimplifiedLayerNormalization`` (the sum is its fourth
+  output where later layers read it): one node for two, as onnxruntime-genai's builder emits.
 - `keep_last_logits`: a ``num_logits_to_keep`` input (int64 scalar, transformers.js's and
   transformers' ``logits_to_keep``: 0 computes every position's logits, n > 0 the last n) that
   slices the hidden states before the LM head: a 1024-token prefill computes one row of
@@ -20,6 +23,8 @@
 """
 
 from __future__ import annotations
+
+import heapq
 
 import numpy as np
 import onnx
@@ -143,6 +148,94 @@ def merge_sibling_matmuls(model: onnx.ModelProto) -> int:
                                                              [int(a.shape[1]) for a in arrays])])
         removed += len(members) - 1
     return removed
+
+
+def _shapes(model: onnx.ModelProto) -> dict:
+    """name -> dims (int or dim_param str; None unknown) of the values with a known shape."""
+    graph = model.graph
+    return {v.name: [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                     for d in v.type.tensor_type.shape.dim]
+            for v in (*graph.input, *graph.output, *graph.value_info) if v.type.tensor_type.HasField("shape")}
+
+
+def _attribute(node, name, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def skip_rms_norms(model: onnx.ModelProto) -> int:
+    """Fuse residual Add + RMSNormalization (module docstring), in place; returns the count.
+    Only an Add of two tensors of one known rank-3 shape (no broadcast) feeding a float32-stashed
+    RMSNormalization over the last axis with a rank-1 scale."""
+    graph = model.graph
+    producers, shapes = _producers(graph), _shapes(model)
+    readers = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    fused = []
+    for norm in list(graph.node):
+        if norm.op_type != "RMSNormalization" or norm.domain not in ("", "ai.onnx") or len(norm.input) != 2:
+            continue
+        add = producers.get(norm.input[0])
+        if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx"):
+            continue
+        a, b, scale = shapes.get(add.input[0]), shapes.get(add.input[1]), shapes.get(norm.input[1])
+        if not a or a != b or len(a) != 3 or None in a or scale is None or len(scale) != 1:
+            continue
+        if _attribute(norm, "axis", -1) not in (-1, 2) or _attribute(norm, "stash_type", 1) != 1:
+            continue
+        if any(out for out in norm.output[1:]):
+            continue
+        keeps_sum = add.output[0] in outputs or len(readers.get(add.output[0], ())) > 1
+        node = helper.make_node(
+            "SkipSimplifiedLayerNormalization", [add.input[0], add.input[1], norm.input[1]],
+            [norm.output[0], "", "", add.output[0] if keeps_sum else ""], domain="com.microsoft",
+            epsilon=float(_attribute(norm, "epsilon", 1e-5)), name=f"{norm.name}.skip")
+        index = list(graph.node).index(norm)
+        graph.node.insert(index, node)
+        graph.node.remove(norm)
+        graph.node.remove(add)
+        fused.append(node)
+    if fused:
+        if not any(o.domain == "com.microsoft" for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+        _sort_topologically(graph)
+    return len(fused)
+
+
+def _sort_topologically(graph) -> None:
+    """Reorder the nodes so each comes after its inputs' producers (stable: the given order
+    where it already holds)."""
+    nodes = list(graph.node)
+    made = {out for node in nodes for out in node.output if out}
+    ready = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
+    waiting = {id(node): sum(1 for name in set(node.input) if name in made and name not in ready) for node in nodes}
+    readers = {}
+    for node in nodes:
+        for name in set(node.input):
+            if name in made:
+                readers.setdefault(name, []).append(node)
+    position = {id(node): i for i, node in enumerate(nodes)}
+    heap = [(position[id(n)], id(n), n) for n in nodes if waiting[id(n)] == 0]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        _, _, node = heapq.heappop(heap)
+        order.append(node)
+        for out in node.output:
+            for reader in readers.get(out, ()):
+                waiting[id(reader)] -= 1
+                if waiting[id(reader)] == 0:
+                    heapq.heappush(heap, (position[id(reader)], id(reader), reader))
+    if len(order) != len(nodes):
+        raise ValueError("the graph has a cycle")
+    copies = [onnx.NodeProto.FromString(n.SerializeToString()) for n in order]
+    del graph.node[:]
+    graph.node.extend(copies)
 
 
 def keep_last_logits(model: onnx.ModelProto) -> None:
