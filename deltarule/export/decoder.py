@@ -12,8 +12,9 @@ reading its cache, so it follows the installed transformers):
 - a full-attention layer i: key and value, [batch, heads, past, head_dim];
 - a linear-attention layer i: the convolution's state [batch, channels, W - 1] (the W - 1
   inputs before the call; transformers' cache keeps W columns, the runtimes W - 1) and the
-  recurrent state [batch, Hv, K, V]. OLMo-Hybrid's is split in three at the query / key /
-  value channels (transformers.js names three).
+  recurrent state [batch, Hv, K, V] (a target ort-gpu graph takes and gives it V-major,
+  [batch, Hv, V, K]: `StateLayout.v_major`). OLMo-Hybrid's is split in three at the query /
+  key / value channels (transformers.js names three).
 
 While a `Decoder` runs, transformers' kernelizable ``causal_conv1d_forward`` of the model's
 modeling module is replaced by `deltarule.conv.causal_conv1d_with_state` (one op, ONNX's
@@ -23,6 +24,7 @@ modeling module is replaced by `deltarule.conv.causal_conv1d_with_state` (one op
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 from dataclasses import dataclass
 
@@ -62,6 +64,17 @@ class StateLayout:
     tensors: tuple[Tensor, ...]
     conv_splits: dict             # layer -> channel widths of its split conv state (OLMo-Hybrid)
     dtype: torch.dtype
+    # the recurrent state's layout: "kv" [batch, Hv, K, V] (transformers' and the traced
+    # decoder's), "vk" [batch, Hv, V, K] (target ort-gpu's graph: `v_major`)
+    recurrent: str = "kv"
+
+    def v_major(self) -> "StateLayout":
+        """This layout with the recurrent state V-major, [batch, Hv, V, K]: the state inputs and
+        outputs of a target ort-gpu graph (`deltarule.export.fuse.v_major_state`). A description
+        of the exported graph only: the decoder is traced with transformers' layout."""
+        tensors = tuple(dataclasses.replace(t, shape=(*t.shape[:2], t.shape[3], t.shape[2]))
+                        if t.kind == "recurrent" and self.recurrent == "kv" else t for t in self.tensors)
+        return dataclasses.replace(self, tensors=tensors, recurrent="vk")
 
     @property
     def takes_positions(self) -> bool:
@@ -133,6 +146,9 @@ class Decoder(torch.nn.Module):
     position_ids only where `layout.takes_positions`."""
 
     def __init__(self, model, layout: StateLayout, *, embeds: bool = False):
+        if layout.recurrent != "kv":
+            raise ValueError("Decoder: trace with transformers' state layout (StateLayout.recurrent 'kv'); "
+                             "v_major() describes an ort-gpu graph's inputs, not the traced function's")
         super().__init__()
         self.model = model
         self.layout = layout

@@ -96,7 +96,10 @@ def onnx(model_dir: str, out_dir: str, *, target: str = "ort", dtype="fp32",
             tokenizer files, and ``genai_config.json`` (for the families onnxruntime-genai
             runs: `deltarule.export.genai`).
         target: ``"ort"`` (default): ONNX Runtime's ``com.microsoft.LinearAttention`` and
-            ``CausalConvWithState``; ``"onnx"``: the standard ops of opset 27.
+            ``CausalConvWithState`` (its CPU form); ``"ort-gpu"``: ``com.microsoft.GatedDeltaNet``
+            (its CUDA / WebGPU form; gates, beta's sigmoid and the L2 norm fused into the node,
+            the recurrent state V-major [batch, Hv, V, K]; WebGPU lacks the per-key decay of Kimi
+            Linear) and ``CausalConvWithState``; ``"onnx"``: the standard ops of opset 27.
         dtype: one of transformers.js's dtype names or a list of them, each written to the
             file transformers.js loads for it (`deltarule.export.quantize`): ``"fp32"``
             (default; ``"float32"``), ``"fp16"`` (``"float16"``), ``"q8"``, ``"q4"``,
@@ -210,6 +213,7 @@ def _export_parts(model, model_dir: str, target: str, num_logits_to_keep: bool) 
         if name in parts:
             lean.shared_kv_heads(parts[name])
             lean.merge_sibling_matmuls(parts[name])
+            lean.l2_norms(parts[name])
             if target != "onnx":                  # (a com.microsoft op: not in the standard target)
                 lean.skip_rms_norms(parts[name])
             if num_logits_to_keep:
@@ -220,6 +224,8 @@ def _export_parts(model, model_dir: str, target: str, num_logits_to_keep: bool) 
     ops = graph.check(parts["model"], target, linear_layers=linear, convs=linear)
     if "decoder_model_merged" in parts:
         graph.check(parts["decoder_model_merged"], target, linear_layers=linear, convs=linear)
+    if target in translate.GATED_DELTA_NET_TARGETS:     # the graph's recurrent state is V-major (fuse.v_major_state)
+        layout = layout.v_major()
     return parts, layout, inputs, outputs, ops
 
 

@@ -8,9 +8,17 @@ Targets (`TARGETS`):
   ``com.microsoft.CausalConvWithState`` (CPU kernels from onnxruntime 1.32; WebGPU in
   onnxruntime-web), default opset 23;
 - ``"onnx"``: the standard ``LinearAttention`` and ``CausalConvWithState`` of opset 27
-  (onnxruntime 1.32 runs them too; so do `deltarule.onnx.run` and onnx's ``ReferenceEvaluator``).
+  (onnxruntime 1.32 runs them too; so do `deltarule.onnx.run` and onnx's ``ReferenceEvaluator``);
+- ``"ort-gpu"``: ONNX Runtime's ``com.microsoft.GatedDeltaNet`` (the form its CUDA and WebGPU
+  execution providers run, and its CPU one: onnxruntime >= 1.32) and
+  ``com.microsoft.CausalConvWithState``: rank-4 query / key / value, value heads a multiple of
+  query heads (GQA is refused), the L2 norm in the node; `finish` then fuses transformers'
+  gate and beta ops into the node and makes the decoder's recurrent state inputs and outputs
+  V-major [B, Hv, V, K], the node's layout (`deltarule.export.fuse`). Not for WebGPU: KDA's
+  per-key decay (Kimi Linear), which ONNX Runtime's WebGPU kernel does not implement.
 
-Gated DeltaNet-2 layers become ``ai.deltarule::LinearAttention`` on both, with its function body.
+Gated DeltaNet-2 layers become ``ai.deltarule::LinearAttention`` on every target, with its
+function body.
 """
 
 from __future__ import annotations
@@ -22,9 +30,10 @@ import onnx
 
 from ..errors import Unsupported
 from ..onnx import ops as deltarule_ops
-from .translate import PLACEHOLDER, PLACEHOLDERS
+from . import fuse
+from .translate import GATED_DELTA_NET_TARGETS, PLACEHOLDER, PLACEHOLDERS
 
-TARGETS = {"ort": ("com.microsoft", 1), "onnx": ("", 27)}
+TARGETS = {"ort": ("com.microsoft", 1), "onnx": ("", 27), "ort-gpu": ("com.microsoft", 1)}
 # the dimension names: transformers.js resolves `batch_size` (every other symbol of a past input to 0)
 DIMENSIONS = ("batch_size", "sequence_length", "past_sequence_length", "total_sequence_length")
 _LOOPS = ("Scan", "Loop")
@@ -47,6 +56,9 @@ def finish(model: onnx.ModelProto, target: str, *, symbols: dict) -> onnx.ModelP
     model.opset_import.extend(imports)
     model.opset_import.append(onnx.helper.make_opsetid(domain, version))
     _name_dimensions(model, symbols)
+    if target in GATED_DELTA_NET_TARGETS:
+        fuse.gates(model)
+        fuse.v_major_state(model)
     if any(deltarule_ops.is_deltarule_node(node) for node in model.graph.node):
         model = deltarule_ops.attach_functions(model)
     return model
@@ -90,9 +102,10 @@ def check(model: onnx.ModelProto, target: str, *, linear_layers: int, convs: int
         raise Unsupported(f"the exported graph has a token loop ({', '.join(op for _, op in loops)}): "
                           f"every linear-attention layer should be one LinearAttention node")
     domain, _ = TARGETS[target]
-    found = {"LinearAttention": ops[(domain, "LinearAttention")] + ops[(deltarule_ops.DOMAIN, "LinearAttention")],
+    linear = ("com.microsoft", "GatedDeltaNet") if target in GATED_DELTA_NET_TARGETS else (domain, "LinearAttention")
+    found = {linear[1]: ops[linear] + ops[(deltarule_ops.DOMAIN, "LinearAttention")],
              "CausalConvWithState": ops[(domain, "CausalConvWithState")]}
-    for name, want in (("LinearAttention", linear_layers), ("CausalConvWithState", convs)):
+    for name, want in ((linear[1], linear_layers), ("CausalConvWithState", convs)):
         if found[name] != want:
             raise Unsupported(f"the exported graph has {found[name]} {name} nodes for {want} layers")
     return ops

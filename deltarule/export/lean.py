@@ -16,6 +16,10 @@
 - `skip_rms_norms` (ONNX Runtime's targets): a residual ``Add`` followed by ``RMSNormalization``
   of its sum becomes ``com.microsoft.SkipSimplifiedLayerNormalization`` (the sum is its fourth
   output where later layers read it): one node for two, as onnxruntime-genai's builder emits.
+- `l2_norms` (opset >= 23): the L2 norm of q and k before a linear-attention node, x /
+  sqrt(sum(x^2) + eps) as ``ReduceSumSquare -> Add -> Sqrt -> Div``, becomes one
+  ``RMSNormalization`` (x / sqrt(mean(x^2) + eps / K) * K^-1/2: the same value to float32
+  rounding): 3 nodes fewer per norm, 108 at the Qwen3.5-0.8B shape.
 - `keep_last_logits`: a ``num_logits_to_keep`` input (int64 scalar, transformers.js's and
   transformers' ``logits_to_keep``: 0 computes every position's logits, n > 0 the last n) that
   slices the hidden states before the LM head: a 1024-token prefill computes one row of
@@ -205,6 +209,72 @@ def skip_rms_norms(model: onnx.ModelProto) -> int:
             model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
         _sort_topologically(graph)
     return len(fused)
+
+
+def l2_norms(model: onnx.ModelProto) -> int:
+    """Rewrite each L2 norm over the last axis of a float32 tensor with a static last dimension
+    as RMSNormalization (module docstring), in place, where the model imports opset >= 23;
+    returns the count."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < 23:
+        return 0
+    graph = model.graph
+    producers, shapes = _producers(graph), _shapes(model)
+    rewritten = 0
+    for div in list(graph.node):
+        if div.op_type != "Div" or div.domain not in ("", "ai.onnx"):
+            continue
+        x = div.input[0]
+        sqrt = producers.get(div.input[1])
+        add = producers.get(sqrt.input[0]) if sqrt is not None and sqrt.op_type == "Sqrt" else None
+        if add is None or add.op_type != "Add":
+            continue
+        square = next((producers.get(i) for i in add.input if producers.get(i) is not None
+                       and producers[i].op_type == "ReduceSumSquare"), None)
+        eps_name = next((i for i in add.input if square is None or i != square.output[0]), None)
+        eps = _constant_floats(graph, eps_name)
+        shape = shapes.get(x)
+        if square is None or square.input[0] != x or eps is None or len(eps) != 1 or not shape \
+                or not isinstance(shape[-1], int) or shape[-1] <= 0:
+            continue
+        if _constant_ints(graph, square.input[1]) not in ([-1], [len(shape) - 1]) or _attribute(square, "keepdims", 1) != 1:
+            continue
+        if _elem_type(model, x) != TensorProto.FLOAT:
+            continue
+        K = shape[-1]
+        scale = f"l2_norm.scale.{K}"
+        if not any(t.name == scale for t in graph.initializer):
+            graph.initializer.append(onnx.numpy_helper.from_array(np.full(K, K ** -0.5, np.float32), name=scale))
+        node = helper.make_node("RMSNormalization", [x, scale], [div.output[0]], axis=-1,
+                                epsilon=float(np.float32(eps[0]) / np.float32(K)), stash_type=1, name=f"{div.name}.l2")
+        graph.node.insert(list(graph.node).index(div), node)
+        graph.node.remove(div)
+        rewritten += 1
+    _remove_dead(graph)
+    return rewritten
+
+
+def _constant_floats(graph, name) -> list | None:
+    """The float values of `name` when it is an initializer or a Constant node's output."""
+    if name is None:
+        return None
+    for t in graph.initializer:
+        if t.name == name:
+            return [float(x) for x in onnx.numpy_helper.to_array(t).reshape(-1)]
+    for node in graph.node:
+        if node.op_type == "Constant" and node.output[0] == name:
+            for a in node.attribute:
+                if a.name == "value":
+                    return [float(x) for x in onnx.numpy_helper.to_array(a.t).reshape(-1)]
+    return None
+
+
+def _elem_type(model, name) -> int | None:
+    graph = model.graph
+    for v in (*graph.input, *graph.output, *graph.value_info):
+        if v.name == name:
+            return v.type.tensor_type.elem_type
+    return None
 
 
 def _sort_topologically(graph) -> None:

@@ -9,6 +9,13 @@
   A Gated DeltaNet-2 call (``erase`` / ``write`` gates) becomes ``ai.deltarule::LinearAttention``
   (`deltarule.onnx.ops`: ONNX LinearAttention plus the two gates, with an ONNX function body
   of standard ops, so every runtime runs it).
+- ``deltarule::linear_attention`` for target ``"ort-gpu"`` -> one ``com.microsoft.GatedDeltaNet``
+  node (`gated_delta_net`): rank-4 [B, T, H, D] q / k / v as they are (no packing, no head
+  repeat: value heads a multiple of query heads is the node's own form; GQA has none and is
+  refused), the L2 norm (``qk_l2_norm=1``, eps 1e-12), the sigmoid of ``beta_sigmoid``
+  (``beta_activation``) and the raw-gate arm with per-head ``A_log`` / ``dt_bias``
+  (``gate_activation="qwen"``) fused into it; a V-major state. Gated DeltaNet-2 calls keep
+  ``ai.deltarule::LinearAttention``.
 - ``deltarule::causal_conv1d_with_state`` -> one ``CausalConvWithState`` node.
 
 They are emitted as placeholder ops (`PLACEHOLDERS`, domain `PLACEHOLDER`, schemas registered
@@ -19,6 +26,9 @@ fused gate) raises `deltarule.Unsupported` naming the argument while the model i
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import numpy as np
 import onnx
@@ -31,7 +41,17 @@ PLACEHOLDER = "ai.deltarule.export"
 # unique across domains: onnx.reference requires it.
 PLACEHOLDERS = {"ExportedLinearAttention": (None, "LinearAttention"),
                 "ExportedCausalConvWithState": (None, "CausalConvWithState"),
-                "ExportedGatedDeltaNet2": ("ai.deltarule", "LinearAttention")}
+                "ExportedGatedDeltaNet2": ("ai.deltarule", "LinearAttention"),
+                "ExportedGatedDeltaNet": ("com.microsoft", "GatedDeltaNet")}
+# the targets whose linear-attention node is com.microsoft.GatedDeltaNet (`gated_delta_net`)
+GATED_DELTA_NET_TARGETS = ("ort-gpu",)
+# GatedDeltaNet's chunk_size: a scheduling hint that never changes the result. 16 opts into
+# WebGPU's chunkwise prefill (onnxruntime/contrib_ops/webgpu/bert/gated_delta_net.cc: chunk_size
+# == kDeltaPrefillChunkSize = 16); on CUDA only 32 means something (it pins the narrow chunk:
+# contrib_ops/cuda/bert/gated_delta_net_plan.h), any other value takes the widest chunk that fits
+GATED_DELTA_NET_CHUNK_SIZE = 16
+# GatedDeltaNet's in-op L2 norm: x * rsqrt(sum(x^2) + 1e-12)
+GATED_DELTA_NET_L2NORM_EPS = 1e-12
 _REFUSED = {
     "cu_seqlens": "packed sequences (cu_seqlens)", "seq_lens": "ragged sequences (seq_lens)",
     "state_indices": "a state slab (state_indices)", "num_accepted_tokens": "speculative rows",
@@ -39,6 +59,7 @@ _REFUSED = {
 }
 _FLOAT = onnx.TensorProto.FLOAT
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+_TYPES = {"TI": ["tensor(int32)"]}         # a type constraint's allowed types (default _FLOATS)
 
 
 def _schema(name, inputs, outputs, attributes, types):
@@ -47,7 +68,7 @@ def _schema(name, inputs, outputs, attributes, types):
         name, PLACEHOLDER, 1, inputs=[param(n, t, "", param_option=OpSchema.FormalParameterOption.Optional if opt
                                             else OpSchema.FormalParameterOption.Single) for n, t, opt in inputs],
         outputs=[param(n, t) for n, t in outputs],
-        type_constraints=[(t, _FLOATS, "") for t in types],
+        type_constraints=[(t, _TYPES.get(t, _FLOATS), "") for t in types],
         attributes=[OpSchema.Attribute(a, kind, "", required=False) for a, kind in attributes])
 
 
@@ -63,6 +84,16 @@ _SCHEMAS = (
             [("query", "T", False), ("key", "T", False), ("value", "T", False), ("past_state", "S", True),
              ("decay", "T", True), ("beta", "T", True), ("erase_gate", "T", True), ("write_gate", "T", True)],
             [("output", "T"), ("present_state", "S")], _LINEAR_ATTRIBUTES, ("T", "S")),
+    # com.microsoft.GatedDeltaNet (target "ort-gpu"): its inputs in its order, the two outputs used
+    _schema("ExportedGatedDeltaNet",
+            [("query", "T", False), ("key", "T", False), ("value", "T", False), ("cu_seqlens", "TI", True),
+             ("decay", "S", True), ("beta", "S", True), ("initial_state", "S", True), ("a_log", "S", True),
+             ("dt_bias", "S", True)],
+            [("output", "T"), ("final_state", "S")],
+            [("update_rule", OpSchema.AttrType.STRING), ("scale", OpSchema.AttrType.FLOAT),
+             ("qk_l2_norm", OpSchema.AttrType.INT), ("beta_activation", OpSchema.AttrType.STRING),
+             ("gate_activation", OpSchema.AttrType.STRING), ("chunk_size", OpSchema.AttrType.INT)],
+            ("T", "S", "TI")),
     _schema("ExportedCausalConvWithState",
             [("input", "T", False), ("weight", "T", False), ("bias", "T", True), ("past_state", "T", True)],
             [("output", "T"), ("present_state", "T")], [("activation", OpSchema.AttrType.STRING)], ("T",)),
@@ -78,21 +109,54 @@ def register_schemas() -> None:
             onnx.defs.register_schema(schema)
 
 
-def translation_table() -> dict:
-    """torch.onnx's ``custom_translation_table`` for deltarule's ops."""
+def translation_table(target: str = "ort") -> dict:
+    """torch.onnx's ``custom_translation_table`` for deltarule's ops, for `target`
+    (`deltarule.export.graph.TARGETS`): its linear-attention node is LinearAttention, or
+    com.microsoft.GatedDeltaNet for `GATED_DELTA_NET_TARGETS`."""
     import torch
     register_schemas()
-    return {torch.ops.deltarule.linear_attention.default: linear_attention,
+    return {torch.ops.deltarule.linear_attention.default: _for_target(target),
             torch.ops.deltarule.causal_conv1d_with_state.default: causal_conv1d_with_state}
 
 
-def refusal(call: dict) -> str | None:
-    """Why a ``deltarule::linear_attention`` call (its arguments by name) has no node, or None.
+def _for_target(target: str):
+    """`linear_attention` with its `target` bound, keeping the op's signature (torch.onnx reads
+    it to bind the call's arguments)."""
+    signature = inspect.signature(linear_attention)
+
+    @functools.wraps(linear_attention)
+    def translation(*args, **kwargs):
+        return linear_attention(*args, **kwargs, target=target)
+    translation.__signature__ = signature.replace(
+        parameters=[p for p in signature.parameters.values() if p.name != "target"])
+    return translation
+
+
+def refusal(call: dict, target: str = "ort") -> str | None:
+    """Why a ``deltarule::linear_attention`` call (its arguments by name: tensors, or
+    torch.export's nodes carrying them as ``meta["val"]``) has no node of `target`, or None.
     Every other argument of the record has an exact translation (`linear_attention`)."""
+    node = "GatedDeltaNet" if target in GATED_DELTA_NET_TARGETS else "LinearAttention"
     for name, what in _REFUSED.items():
         if call.get(name) is not None:
-            return f"{what} has no LinearAttention node"
+            return f"{what} has no {node} node"
+    if target in GATED_DELTA_NET_TARGETS and call.get("erase") is None:
+        Hq, Hk, Hv = (_heads(call.get(name)) for name in ("q", "k", "v"))
+        if None not in (Hq, Hk, Hv) and Hq != Hk:
+            return (f"GQA (query heads Hq = {Hq} above key / value heads Hk = {Hk}, Hv = {Hv}) has no "
+                    f"com.microsoft.GatedDeltaNet node (target {target!r}: its value heads are a multiple "
+                    f"of its query heads, which equal its key heads); export with target 'ort' or 'onnx'")
     return None
+
+
+def _heads(x) -> int | None:
+    """The head count (axis 2) of a [B, T, H, D] tensor, or of the value a torch.export node
+    carries; None when not known statically."""
+    x = getattr(x, "meta", {}).get("val", x) if not hasattr(x, "shape") else x
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) != 4:
+        return None
+    return shape[2] if isinstance(shape[2], int) else None
 
 
 def _ops():
@@ -136,8 +200,9 @@ def _l2norm(op, x, eps: float):
     return op.Div(x, op.Sqrt(op.Add(s, op.Constant(value=onnx.helper.make_tensor("e", _FLOAT, [], [eps])))))
 
 
-def _decay(op, g, gk, A_log, dt_bias):
-    """The log decay the node takes, float32: [B, T, H] (scalar) or [B, T, H * K] (per key);
+def _decay(op, g, gk, A_log, dt_bias, packed: bool = True):
+    """The log decay the node takes, float32: [B, T, H] (scalar) or [B, T, H * K] (per key;
+    [B, T, H, K] without `packed`);
     the raw-gate arm ``-exp(A_log) * softplus(gate + dt_bias)`` and g with gk (the per-key
     decay exp(gk + g)) computed before it, as the kernels do. None without decay."""
     g, gk = _float(op, g), _float(op, gk)
@@ -151,7 +216,7 @@ def _decay(op, g, gk, A_log, dt_bias):
         return g
     if g is not None:
         gk = op.Add(gk, op.Unsqueeze(g, _ints(op, [3])))
-    return op.Reshape(gk, _ints(op, [0, 0, -1]))
+    return op.Reshape(gk, _ints(op, [0, 0, -1])) if packed else gk
 
 
 def _rates(op, beta, erase, write, sigmoid: bool):
@@ -178,9 +243,10 @@ def linear_attention(q, k, v, rule="gated_delta", g=None, gk=None, beta=None, er
                      num_accepted_tokens=None, plan_cu_seqlens=None, plan_seq_lens=None, plan_state_indices=None,
                      plan_num_accepted_tokens=None, plan_layout=None, plan_device=None, qk_l2norm=False,
                      l2norm_eps=1e-6, A_log=None, dt_bias=None, beta_sigmoid=False, chunk_size=64, backend="auto",
-                     accept_growth=False, num_states=None):
+                     accept_growth=False, num_states=None, *, target="ort"):
     """``deltarule::linear_attention`` (the record's arguments, `deltarule.arguments`) as a
-    ``LinearAttention`` node: returns (o [B, T, max(Hq, Hv), V] in v's dtype, the state
+    ``LinearAttention`` node (a ``GatedDeltaNet`` node for `GATED_DELTA_NET_TARGETS`:
+    `gated_delta_net`): returns (o [B, T, max(Hq, Hv), V] in v's dtype, the state
     [B, Hv, K, V] ([B, Hv, V, K] for ``state_layout="vk"``) in initial_state's dtype, float32
     without one).
 
@@ -189,9 +255,14 @@ def linear_attention(q, k, v, rule="gated_delta", g=None, gk=None, beta=None, er
     the graph equals the eager call for every dtype mix the call accepts. `chunk_size`,
     `backend` and `accept_growth` do not change the result."""
     reason = refusal(dict(cu_seqlens=cu_seqlens, seq_lens=seq_lens, state_indices=state_indices,
-                          num_accepted_tokens=num_accepted_tokens, plan_layout=plan_layout))
+                          num_accepted_tokens=num_accepted_tokens, plan_layout=plan_layout, q=q, k=k, v=v,
+                          erase=erase), target)
     if reason:
         raise Unsupported(f"deltarule::linear_attention: {reason}")
+    if target in GATED_DELTA_NET_TARGETS and erase is None:
+        return gated_delta_net(q, k, v, rule=rule, g=g, gk=gk, beta=beta, scale=scale, initial_state=initial_state,
+                               state_layout=state_layout, qk_l2norm=qk_l2norm, A_log=A_log, dt_bias=dt_bias,
+                               beta_sigmoid=beta_sigmoid)
     op, ph = _ops()
     B, T, Hq, K = _shape(q)
     Hk, Hv, V = _shape(k)[2], _shape(v)[2], _shape(v)[3]
@@ -228,6 +299,59 @@ def linear_attention(q, k, v, rule="gated_delta", g=None, gk=None, beta=None, er
     if state_layout == "vk":
         state = op.Transpose(state, perm=[0, 1, 3, 2])
     if initial_state is None:               # (a type for the graph: the node's S comes from past_state)
+        return o, op.Cast(state, to=_FLOAT)
+    return o, _cast(op, state, state_dtype)
+
+
+def gated_delta_net(q, k, v, *, rule, g, gk, beta, scale, initial_state, state_layout, qk_l2norm, A_log, dt_bias,
+                    beta_sigmoid):
+    """A ``deltarule::linear_attention`` call without Gated DeltaNet-2 gates and with Hq == Hk
+    (`refusal` refuses GQA) as one ``com.microsoft.GatedDeltaNet`` node: returns (o [B, T, Hv, V]
+    in v's dtype, the state in initial_state's dtype (float32 without one) and the call's layout).
+
+    Rank-4 [B, T, H, D] query / key / value go in as they are: float16 stays float16 (the node's
+    T; it computes in float32), anything else is float32 (bfloat16 too: WebGPU's kernel has no
+    bfloat16). decay, beta, the state, a_log and dt_bias are float32 (the WebGPU card's types;
+    ONNX Runtime's earlier CUDA kernel reads decay and beta as float32 whatever T is). Fused:
+    ``qk_l2norm`` (``qk_l2_norm=1``: eps 1e-12, not the call's `l2norm_eps`: the relative
+    change of a normalized vector is about (l2norm_eps - 1e-12) / (2 |x|^2)), ``beta_sigmoid``
+    (``beta_activation="sigmoid"``) and the raw-gate arm with ``g`` (``gate_activation="qwen"``,
+    ONNX Runtime's name for -exp(a_log) * softplus(decay + dt_bias) that CPU, CUDA and WebGPU
+    all accept; ``"softplus"`` is CPU's alone). Per-key decay (``gk``, with ``g`` added, or its
+    raw-gate arm computed before the node) is decay [B, T, H, K]."""
+    op, ph = _ops()
+    Hq, K, Hv, V = _shape(q)[2], _shape(q)[3], _shape(v)[2], _shape(v)[3]
+    if None in (Hq, K, Hv, V):
+        raise Unsupported("deltarule::linear_attention: head counts and sizes must be static to export")
+    out_dtype = int(v.dtype)
+    node_dtype = onnx.TensorProto.FLOAT16 if {int(x.dtype) for x in (q, k, v)} == {onnx.TensorProto.FLOAT16} \
+        else _FLOAT
+    if node_dtype == _FLOAT:
+        q, k, v = _float(op, q), _float(op, k), _float(op, v)
+    gating, delta = rule in ("gated", "gated_delta"), rule in ("delta", "gated_delta")
+    decay = a_log = bias = None
+    gate = "none"
+    if gating:
+        if A_log is not None and g is not None:              # the raw-gate arm, per head: fused
+            decay, a_log, bias, gate = _float(op, g), _float(op, A_log), _float(op, dt_bias), "qwen"
+        else:                                                  # g [B, T, H], or per key [B, T, H, K]
+            decay = _decay(op, g, gk, A_log, dt_bias, packed=False)
+    beta = _float(op, beta) if delta else None
+    state_dtype = _FLOAT if initial_state is None else int(initial_state.dtype)
+    past = _float(op, initial_state)
+    if past is not None and state_layout == "kv":              # the node's state is V-major
+        past = op.Transpose(past, perm=[0, 1, 3, 2])
+    scale = _scale(scale, K)
+    o, state = ph.ExportedGatedDeltaNet(
+        q, k, v, None, decay, beta, past, a_log, bias, update_rule=rule, scale=scale or 1.0,
+        qk_l2_norm=int(bool(qk_l2norm)), beta_activation="sigmoid" if beta_sigmoid and delta else "none",
+        gate_activation=gate, chunk_size=GATED_DELTA_NET_CHUNK_SIZE)
+    if scale == 0.0:                     # the node reads scale 0 as 1 / sqrt(d_k): scale 1 times 0
+        o = op.Mul(o, op.Constant(value=onnx.helper.make_tensor("zero", node_dtype, [], [0.0])))
+    o = o if node_dtype == out_dtype else op.Cast(o, to=out_dtype)
+    if state_layout == "kv":
+        state = op.Transpose(state, perm=[0, 1, 3, 2])
+    if initial_state is None:
         return o, op.Cast(state, to=_FLOAT)
     return o, _cast(op, state, state_dtype)
 
