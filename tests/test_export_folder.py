@@ -148,7 +148,7 @@ def test_weights_that_do_not_fit_the_model_are_refused_by_name(tmp_path, checkpo
 def test_a_failing_export_leaves_nothing(tmp_path, checkpoint, monkeypatch):
     """An error after the model files are written (here: writing genai_config.json) leaves
     neither `out_dir` nor the staging folder."""
-    def fail(*args):
+    def fail(*args, **kwargs):
         raise RuntimeError("disk full")
     monkeypatch.setattr(exporter, "_write_genai_config", fail)
     with pytest.raises(RuntimeError, match="disk full"):
@@ -159,7 +159,7 @@ def test_a_failing_export_leaves_nothing(tmp_path, checkpoint, monkeypatch):
 _KILLED = """
 import os, signal, sys
 from deltarule.export import exporter
-def killed(model, layout, out_dir):
+def killed(config, layout, out_dir, *, filename):
     assert os.path.isfile(os.path.join(out_dir, "onnx", "model.onnx"))      # the model is written
     os.kill(os.getpid(), signal.SIGKILL)
 exporter._write_genai_config = killed
