@@ -25,13 +25,31 @@ export class ExportError extends Error {
 }
 
 let loaded;
-// transformers.js: Node's build (onnxruntime-node) in Node; in a page its full bundle (with
-// onnxruntime-web) from web/node_modules, its WebAssembly files from there too (by default
-// it fetches them from a CDN).
+let instances = 0;
+// transformers.js: Node's build (onnxruntime-node) in Node. In a page its web build
+// (dist/transformers.web.min.js), which imports onnxruntime-web by name ("onnxruntime-web/webgpu",
+// "onnxruntime-common"): generate.html's import map points both at web/node_modules/onnxruntime-web
+// (the version package.json's overrides give transformers.js, not the one its all-in-one
+// transformers.min.js has inside); its WebAssembly files from there too (by default it fetches
+// them from a CDN).
+//
+// In a page transformers.js 4.3.2 chains every session creation (and every run) onto the one
+// before (backends/onnx.js: webInitChain = webInitChain.then(load)), so once one fails (a kernel
+// onnxruntime-web lacks) every later one rejects with that same error. After a failure the page
+// therefore takes a fresh instance of the module (`forget`); onnxruntime-web itself is shared.
 export async function transformersJs() {
   loaded ??= (async () => {
     if (isNode) return import("@huggingface/transformers");
-    const t = await import("./node_modules/@huggingface/transformers/dist/transformers.min.js");
+    let t;
+    try {
+      t = await import(`./node_modules/@huggingface/transformers/dist/transformers.web.min.js${
+        instances ? `?instance=${instances}` : ""}`);
+    } catch (e) {
+      if (!/onnxruntime/.test(e.message)) throw e;
+      throw new ExportError("transformers.js's web build imports onnxruntime-web by name: the page needs an " +
+        `import map for "onnxruntime-web/webgpu" and "onnxruntime-common" (generate.html has one): ${e.message}`,
+      { cause: e });
+    }
     const dist = new URL("./node_modules/onnxruntime-web/dist/", import.meta.url).href;
     t.env.backends.onnx.wasm.wasmPaths = { mjs: `${dist}ort-wasm-simd-threaded.asyncify.mjs`,
       wasm: `${dist}ort-wasm-simd-threaded.asyncify.wasm` };
@@ -40,6 +58,12 @@ export async function transformersJs() {
     return t;
   })();
   return loaded;
+}
+
+function forget() {
+  if (isNode) return;
+  loaded = undefined;
+  instances++;
 }
 
 // A folder as { name, files: Map(relative path -> Blob) } from an <input webkitdirectory>'s
@@ -68,10 +92,28 @@ export async function folderFromPath(dir) {
 
 const gib = (n) => `${(n / 1024 ** 3).toFixed(2)} GiB`;
 
-// What transformers.js will load from `folder`, checked: a config, a tokenizer, the ONNX
-// decoder (model.onnx, or the text-only pair of a ...ForConditionalGeneration checkpoint) and
-// their weights within what onnxruntime-web can hold. Returns { config, graphs, bytes }.
-export async function inspect(folder) {
+// transformers.js 4.3.2's dtypes and the file-name suffix it loads for each (utils/dtypes.js
+// DEFAULT_DTYPE_SUFFIX_MAPPING), in the order the page lists them; `deltarule export onnx
+// --dtype` writes fp32, fp16, q8, q4 and q4f16 (docs/export.md, "dtypes").
+export const DTYPE_SUFFIXES = Object.freeze({ fp32: "", fp16: "_fp16", q8: "_quantized", q4: "_q4",
+  q4f16: "_q4f16", int8: "_int8", uint8: "_uint8", bnb4: "_bnb4", q2: "_q2", q2f16: "_q2f16", q1: "_q1",
+  q1f16: "_q1f16" });
+
+// The graphs transformers.js loads at `dtype` for a checkpoint of `config`: model<suffix>.onnx, or
+// the text-only pair of a ...ForConditionalGeneration checkpoint.
+export function graphsOf(config, dtype) {
+  const suffix = DTYPE_SUFFIXES[dtype];
+  const pair = config.architectures?.[0]?.endsWith("ForConditionalGeneration");
+  return pair ? [`onnx/embed_tokens${suffix}.onnx`, `onnx/decoder_model_merged${suffix}.onnx`]
+    : [`onnx/model${suffix}.onnx`];
+}
+
+// What transformers.js will load from `folder` at `dtype` (default: fp32 where the folder has
+// it, else the first of `DTYPE_SUFFIXES` it has), checked: a config, a tokenizer, the ONNX
+// decoder (model<suffix>.onnx, or the text-only pair of a ...ForConditionalGeneration
+// checkpoint) and their weights within what onnxruntime-web can hold. Returns { config,
+// graphs, bytes, dtype, dtypes } (dtypes: every dtype whose graphs the folder holds).
+export async function inspect(folder, { dtype } = {}) {
   const { files } = folder;
   const text = async (rel) => JSON.parse(await files.get(rel).text());
   if (!files.has("config.json")) {
@@ -93,12 +135,17 @@ export async function inspect(folder) {
     throw new ExportError(`"${folder.name}" has no tokenizer.json: the page tokenizes with the tokenizer ` +
       "shipped in the folder (the export copies the checkpoint's)");
   }
-  const pair = config.architectures?.[0]?.endsWith("ForConditionalGeneration");
-  const graphs = pair ? ["onnx/embed_tokens.onnx", "onnx/decoder_model_merged.onnx"] : ["onnx/model.onnx"];
+  if (dtype !== undefined && !Object.hasOwn(DTYPE_SUFFIXES, dtype)) {
+    throw new ExportError(`dtype "${dtype}" is none of transformers.js's: ${Object.keys(DTYPE_SUFFIXES).join(", ")}`);
+  }
+  const dtypes = Object.keys(DTYPE_SUFFIXES).filter((d) => graphsOf(config, d).every((g) => files.has(g)));
+  dtype ??= dtypes.includes("fp32") ? "fp32" : dtypes[0] ?? "fp32";
+  const graphs = graphsOf(config, dtype);
   for (const g of graphs) {
     if (!files.has(g)) {
       throw new ExportError(`"${folder.name}" lacks ${g}, which transformers.js loads for a ` +
-        `${config.architectures?.[0] ?? config.model_type} checkpoint (re-export it with this deltarule)`);
+        `${config.architectures?.[0] ?? config.model_type} checkpoint at dtype "${dtype}" ` +
+        (dtypes.length ? `(the folder holds ${dtypes.join(", ")})` : "(re-export it with this deltarule)"));
     }
   }
   const weights = [...files.keys()].filter((p) => graphs.some((g) => p === g || p.startsWith(`${g}_data`)));
@@ -107,7 +154,7 @@ export async function inspect(folder) {
     throw new ExportError(`"${folder.name}" is too large for this page: its graphs and weights are ` +
       `${gib(bytes)}, and onnxruntime-web reads them through WebAssembly memory, at most ${gib(WASM_MEMORY_BYTES)}`);
   }
-  return { config, graphs, bytes };
+  return { config, graphs, bytes, dtype, dtypes };
 }
 
 // transformers.js reads a local model's files with env.fetch (in Node too, with env.useFS off)
@@ -115,9 +162,19 @@ export async function inspect(folder) {
 // env.fetch answers from the folder. A fresh id per load: transformers.js memoizes file lookups by id.
 const PREFIX = "/deltarule-export/";
 let loads = 0;
+let cacheDir;
+async function processCacheDir() {
+  if (!cacheDir) {
+    const [fs, os, path] = await Promise.all([import("node:fs"), import("node:os"), import("node:path")]);
+    cacheDir = fs.mkdtempSync(path.join(os.tmpdir(), "deltarule-transformers-js-"));
+    process.on("exit", () => fs.rmSync(cacheDir, { recursive: true, force: true }));
+  }
+  return cacheDir;
+}
 
 // Load the export in `folder` ({ name, files }) on `device` ("webgpu" | "wasm" | "cpu" in
-// Node). Returns { tokenizer, model, config, device, bytes, name }. `onProgress(text)` gets
+// Node) at `dtype` (`inspect`'s default: fp32 where the folder has it). Returns { tokenizer,
+// model, config, device, dtype, dtypes, bytes, name }. `onProgress(text)` gets
 // loading news. Calls run one at a time (each sets transformers.js's env while it loads).
 let queue = Promise.resolve();
 export function openExport(folder, options = {}) {
@@ -126,8 +183,8 @@ export function openExport(folder, options = {}) {
   return opened;
 }
 
-async function open(folder, { device = "wasm", onProgress } = {}) {
-  const { config, bytes } = await inspect(folder);
+async function open(folder, { device = "wasm", dtype, onProgress } = {}) {
+  const { config, bytes, dtype: chosen, dtypes } = await inspect(folder, { dtype });
   const t = await transformersJs();
   if (device === "webgpu") {
     const adapter = await globalThis.navigator?.gpu?.requestAdapter();
@@ -137,8 +194,13 @@ async function open(folder, { device = "wasm", onProgress } = {}) {
     }
   }
   const id = `folder-${++loads}`;
-  const saved = { fetch: t.env.fetch, useFS: t.env.useFS, localModelPath: t.env.localModelPath };
-  Object.assign(t.env, { allowRemoteModels: false, allowLocalModels: true, useFS: false, localModelPath: PREFIX });
+  // ids repeat from one process to the next, so no cache outlives the process: none in a page;
+  // in Node transformers.js hands onnxruntime-node a model as the path of its file cache's copy,
+  // so the cache is a directory of this process's own, removed when it exits
+  const saved = { fetch: t.env.fetch, useFS: t.env.useFS, localModelPath: t.env.localModelPath,
+    useFSCache: t.env.useFSCache, useBrowserCache: t.env.useBrowserCache, cacheDir: t.env.cacheDir };
+  Object.assign(t.env, { allowRemoteModels: false, allowLocalModels: true, useFS: false, localModelPath: PREFIX,
+    useBrowserCache: false }, isNode ? { useFSCache: true, cacheDir: await processCacheDir() } : {});
   t.env.fetch = async (url, init) => {
     const where = String(url?.url ?? url);
     if (!where.startsWith(`${PREFIX}${id}/`)) return saved.fetch(url, init);
@@ -155,13 +217,14 @@ async function open(folder, { device = "wasm", onProgress } = {}) {
   try {
     const tokenizer = await t.AutoTokenizer.from_pretrained(id, options);
     onProgress?.(`creating the ${device} session`);
-    const model = await t.AutoModelForCausalLM.from_pretrained(id, { ...options, dtype: "fp32", device,
+    const model = await t.AutoModelForCausalLM.from_pretrained(id, { ...options, dtype: chosen, device,
       progress_callback: progress });
-    return { tokenizer, model, config, device, bytes, name: folder.name };
+    return { tokenizer, model, config, device, dtype: chosen, dtypes, bytes, name: folder.name };
   } catch (e) {
     const what = /Unsupported model type/.test(e.message)
       ? `transformers.js ${t.env.version} cannot run model type "${config.model_type}"`
-      : `loading "${folder.name}" on ${device} failed`;
+      : `loading "${folder.name}" (${chosen}) on ${device} failed`;
+    forget();
     throw new ExportError(`${what}: ${e.message}`, { cause: e });
   } finally {
     Object.assign(t.env, saved);
@@ -189,7 +252,12 @@ export async function generate({ tokenizer, model }, prompt, { maxNewTokens = 32
     },
   });
   const t0 = performance.now();
-  await model.generate({ input_ids, attention_mask, max_new_tokens: maxNewTokens, do_sample: false, streamer });
+  try {
+    await model.generate({ input_ids, attention_mask, max_new_tokens: maxNewTokens, do_sample: false, streamer });
+  } catch (e) {
+    forget();        // (this model's runs are chained after the failed one: load it again)
+    throw e;
+  }
   const prefillMs = stamps[0] - t0;
   const decodeMs = stamps.at(-1) - stamps[0];
   return {

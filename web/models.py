@@ -7,9 +7,15 @@ tokens transformers generates for the same prompt, from its own PyTorch model.
 
 Writes ``OUT/<name>/`` (an export folder: onnx/, config, tokenizer) and ``OUT/index.json``:
 ``{"prompt", "max_new_tokens", "models": [{name (its folder under OUT), family, architecture,
-model_type, prompt_ids, tokens, text, transformers_js}], "scan": [{name, shape, kind}]}``, where
-``transformers_js`` is null when transformers.js 4.3.2 registers the model type, else why it
-does not (the test then expects its refusal).
+model_type, prompt_ids, tokens, text, transformers_js, dtypes}], "scan": [{name, shape, kind}]}``,
+where ``transformers_js`` is null when transformers.js 4.3.2 registers the model type, else why
+it does not (the test then expects its refusal). ``tokens`` are the fp32 export's reference.
+The Qwen3.5 folders of `QUANTIZED` also hold q8, q4 and q4f16 files; ``dtypes`` (empty for the
+others) gives for each: ``ops`` (the quantized nodes, "domain.op"), ``tokens`` and ``text`` (the
+greedy tokens onnxruntime (Python, `DecoderSession`) generates from that same file: quantized
+files do not give transformers' fp32 tokens) and ``float_tokens`` (the same with every
+MatMulNBits' ``accuracy_level`` set to 0, float32 compute, which is what onnxruntime-web's WASM
+build computes; onnxruntime's CPU kernels at accuracy_level 4 quantize the activations to int8).
 ``OUT/qwen3_5-<shape>/`` and ``OUT/qwen3_5-<shape>-scan/`` are one Qwen3.5 checkpoint exported
 fused and with each LinearAttention node replaced by its ``ai.deltarule`` function body (a
 ``Scan`` over tokens, as the first public exports ran), for the page's fused-vs-Scan prefill
@@ -27,6 +33,8 @@ import shutil
 import sys
 import tempfile
 
+import numpy as np
+import onnx
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -35,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import deltarule.export  # noqa: E402
 from deltarule.bench import checkpoints  # noqa: E402
+from deltarule.export.generate import DecoderSession  # noqa: E402
 from deltarule.integrations import transformers as integration  # noqa: E402
 
 PROMPT = "The gated delta rule runs in the browser, one token at a time."
@@ -103,6 +112,40 @@ MODELS = {
 }
 
 
+# the folders also exported quantized (transformers.js's dtype names), and how: the causal LM with
+# its embedding table float (no GatherBlockQuantized: onnxruntime-web's WASM build has no kernel
+# for it), the published layout with the export's defaults (q4 / q4f16 embeddings GatherBlockQuantized)
+DTYPES = ["fp32", "q8", "q4", "q4f16"]
+QUANTIZED = {
+    "qwen3_5": deltarule.export.Quantization(embeddings=False),
+    "qwen3_5-vl": deltarule.export.Quantization(),
+}
+
+
+def ort_greedy(files: dict, ids: list[int], eos: int, work: str, float_compute: bool = False) -> list[int]:
+    """onnxruntime's (Python, CPU) greedy tokens after `ids` from one dtype's files
+    (`Exported.models[dtype]`), up to the first end of text as transformers.js stops there;
+    `float_compute`: run a copy whose MatMulNBits nodes have accuracy_level 0."""
+    if float_compute:
+        copies = {}
+        for role, path in files.items():
+            model = onnx.load(path)
+            for node in model.graph.node:
+                if node.op_type == "MatMulNBits":
+                    for a in node.attribute:
+                        if a.name == "accuracy_level":
+                            a.i = 0
+            copies[role] = os.path.join(work, f"accuracy0-{role}.onnx")
+            onnx.save(model, copies[role])
+        files = copies
+    if "embed_tokens" in files:
+        session = DecoderSession(files["decoder_model_merged"], embed=files["embed_tokens"])
+    else:
+        session = DecoderSession(files["model"])
+    tokens = session.greedy(np.array([ids], dtype=np.int64), MAX_NEW_TOKENS, eos_token_id=eos)[0].tolist()
+    return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+
+
 def build(name: str, out: str, work: str) -> dict:
     family, kind = MODELS[name]
     ck = os.path.join(work, name)
@@ -113,13 +156,24 @@ def build(name: str, out: str, work: str) -> dict:
     tok = tokenizer(ck)
     ids = tok(PROMPT)["input_ids"]
     tokens = greedy(ck, ids)
-    deltarule.export.onnx(ck, os.path.join(out, name), overwrite=True)     # (regenerated fixtures)
+    quantization = QUANTIZED.get(name)
+    ex = deltarule.export.onnx(ck, os.path.join(out, name), overwrite=True,     # (regenerated fixtures)
+                               **(dict(dtype=DTYPES, quantization=quantization) if quantization else {}))
+    dtypes = {}
+    eos = transformers.GenerationConfig.from_pretrained(ck).eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    for d in ex.dtypes:
+        if d in ex.quantized:
+            ops = sorted(f"{domain}.{op}" for domain, op in ex.quantized[d].made)
+            ort = ort_greedy(ex.models[d], ids, eos, work)
+            dtypes[d] = dict(ops=ops, tokens=ort, text=tok.decode(ort),
+                             float_tokens=ort_greedy(ex.models[d], ids, eos, work, float_compute=True))
     with open(os.path.join(ck, "config.json")) as f:
         config = json.load(f)
     model_type = config["model_type"]
     return dict(name=name, family=family, architecture=config["architectures"][0], model_type=model_type,
                 prompt_ids=ids, tokens=tokens, text=tok.decode(tokens),
-                transformers_js=NOT_IN_TRANSFORMERS_JS.get(model_type))
+                transformers_js=NOT_IN_TRANSFORMERS_JS.get(model_type), dtypes=dtypes)
 
 
 def scan_pair(out: str, work: str, shape: str) -> list[dict]:
@@ -158,6 +212,8 @@ def main(argv=None) -> None:
         json.dump(dict(prompt=PROMPT, max_new_tokens=MAX_NEW_TOKENS, models=entries, scan=scan), f, indent=1)
     for e in entries:
         print(e["name"], e["tokens"], e["transformers_js"] or "")
+        for d, q in e["dtypes"].items():
+            print(f"  {d}: onnxruntime {q['tokens']}, float compute {q['float_tokens']} ({', '.join(q['ops'])})")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 //
 // Per case (prefill from a non-zero state, decode with the state fed back) and contract:
 // - com.microsoft.GatedDeltaNet: the card cards/com.microsoft.GatedDeltaNet, and a one-node ONNX
-//   model run by onnxruntime-web (ort.webgpu.bundle: the native WebGPU execution provider);
+//   model run by onnxruntime-web (ort.webgpu.bundle: the native WebGPU execution provider; a
+//   kernel from 1.31.1 on, (1, S, H, D) inputs and a V-major initial_state);
 // - com.microsoft.LinearAttention: the card cards/deltarule.LinearAttention fed the same numbers
 //   (packed [B, T, H*D] is the same memory as [B, T, H, D]; past_state [B, H, K, V] is the card's
 //   "kv" layout; scale 0 -> 1/sqrt(K) in both), and the one-node model in onnxruntime-web.
@@ -185,11 +186,22 @@ function cardInputs(contract, set, H, K, V, state) {
     gT: t(set.g, [1, set.T, H]), betaT: t(set.beta, [1, set.T, H]), initialStateT: t(state, [1, H, K, V]) };
 }
 
-function ortFeeds(set, H, K, V, state) {
+// The one-node models' state names and layouts: LinearAttention packed [B, T, H*D] inputs and a
+// K-major past_state [B, H, K, V]; GatedDeltaNet [B, T, H, D] inputs and a V-major initial_state
+// [B, H, V, K] (onnxruntime-web 1.31.1 has a WebGPU kernel for it; 1.31.0-dev had none)
+const ORT_IO = {
+  [LA]: { past: "past_state", present: "present_state", s0: "s0kv", state: (H, K, V) => [1, H, K, V],
+    x: (T, H, D) => [1, T, H * D] },
+  [GDN]: { past: "initial_state", present: "final_state", s0: "s0vk", state: (H, K, V) => [1, H, V, K],
+    x: (T, H, D) => [1, T, H, D] },
+};
+
+function ortFeeds(contract, set, H, K, V, state) {
+  const io = ORT_IO[contract];
   const t = (buffer, dims) => ort.Tensor.fromGpuBuffer(buffer, { dataType: "float32", dims });
-  const feeds = { query: t(set.q, [1, set.T, H * K]), key: t(set.k, [1, set.T, H * K]), value: t(set.v, [1, set.T, H * V]),
+  const feeds = { query: t(set.q, io.x(set.T, H, K)), key: t(set.k, io.x(set.T, H, K)), value: t(set.v, io.x(set.T, H, V)),
     decay: t(set.g, [1, set.T, H]), beta: t(set.beta, [1, set.T, H]) };
-  if (state) feeds.past_state = t(state, [1, H, K, V]);
+  if (state) feeds[io.past] = t(state, io.state(H, K, V));
   return feeds;
 }
 
@@ -228,16 +240,16 @@ function prefillCard(kernel, contract, dev, variant) {
       s: await readBuffer(kernel.device, out[sKey].buffer, numel(out[sKey].shape)) }));
 }
 
-function prefillOrt(session, device, dev) {
-  const { H, K, V } = dev;
-  const feeds = ortFeeds(dev.sets[0], H, K, V, dev.s0kv);
+function prefillOrt(contract, session, device, dev) {
+  const { H, K, V } = dev, io = ORT_IO[contract];
+  const feeds = ortFeeds(contract, dev.sets[0], H, K, V, dev[io.s0]);
   const call = async () => {
     const out = await session.run(feeds);
     await device.queue.onSubmittedWorkDone();     // run() returns once the work is submitted
     return out;
   };
   return prefillRunner(call, (out) => { for (const x of Object.values(out)) x.dispose(); },
-    async (out) => ({ o: new Float32Array(await out.output.getData()), s: new Float32Array(await out.present_state.getData()) }),
+    async (out) => ({ o: new Float32Array(await out.output.getData()), s: new Float32Array(await out[io.present].getData()) }),
     untimed);
 }
 
@@ -297,11 +309,11 @@ function decodeCard(kernel, contract, dev) {
     });
 }
 
-function decodeOrt(session, device, dev) {
-  const { H, K, V, sets } = dev, bytes = H * K * V * 4;
-  for (const set of sets) set.feeds ??= ortFeeds(set, H, K, V, null);
-  // the state chained as onnxruntime returns it: present_state (a GPU tensor it allocated) is the
-  // next step's past_state
+function decodeOrt(contract, session, device, dev) {
+  const { H, K, V, sets } = dev, bytes = H * K * V * 4, io = ORT_IO[contract];
+  const feeds = sets.map((set) => ortFeeds(contract, set, H, K, V, null));
+  // the state chained as onnxruntime returns it: present_state / final_state (a GPU tensor it
+  // allocated) is the next step's past_state / initial_state
   let first = null, state = null, outs = [];
   const free = () => {
     for (const x of outs) x.dispose();
@@ -313,18 +325,18 @@ function decodeOrt(session, device, dev) {
   const reset = async () => {
     free();
     first = device.createBuffer({ size: bytes, usage: USAGE() });
-    copyInto(device, dev.s0kv, first, bytes);
-    state = ort.Tensor.fromGpuBuffer(first, { dataType: "float32", dims: [1, H, K, V] });
+    copyInto(device, dev[io.s0], first, bytes);
+    state = ort.Tensor.fromGpuBuffer(first, { dataType: "float32", dims: io.state(H, K, V) });
     await device.queue.onSubmittedWorkDone();
   };
   const step = async (set) => {
-    const out = await session.run({ ...set.feeds, past_state: state });
+    const out = await session.run({ ...feeds[sets.indexOf(set)], [io.past]: state });
     await device.queue.onSubmittedWorkDone();
     outs.push(out.output);
     if (state.gpuBuffer !== first) state.dispose();
-    state = out.present_state;
+    state = out[io.present];
   };
-  return decodeRunner(sets, "present_state tensor fed back as past_state", reset, step,
+  return decodeRunner(sets, `${io.present} tensor fed back as ${io.past}`, reset, step,
     async () => {
       const o = new Float32Array(sets.length * H * V);
       for (let n = 0; n < outs.length; n++) o.set(new Float32Array(await outs[n].getData()), n * H * V);
@@ -419,7 +431,8 @@ export async function runOrtKernels(options = {}) {
         const implementation = `onnxruntime-web ${contract}`;
         if (sessions[contract]) {
           runners.push({ ...common, implementation, variant: "", ep: placement[contract].ep,
-            run: c.kind === "decode" ? decodeOrt(sessions[contract], device, dev) : prefillOrt(sessions[contract], device, dev) });
+            run: c.kind === "decode" ? decodeOrt(contract, sessions[contract], device, dev)
+              : prefillOrt(contract, sessions[contract], device, dev) });
         } else {
           runners.push({ ...common, implementation, variant: "", ep: "none (no kernel)", unavailable: placement[contract].error });
         }
@@ -459,8 +472,9 @@ export async function runOrtKernels(options = {}) {
       for (const s of [...Object.values(sessions), laProbe.session, gdnWebgpu.session, gdnWasm?.session]) await s?.release();
     });
   }
-  // ratios: card tokens/s over onnxruntime-web's for the same numbers; GatedDeltaNet, which
-  // onnxruntime-web cannot run, against its LinearAttention node (the same recurrence)
+  // ratios: card tokens/s over onnxruntime-web's for the same numbers; GatedDeltaNet, where
+  // onnxruntime-web cannot run it (1.31.0-dev: no kernel), against its LinearAttention node (the
+  // same recurrence)
   const ratios = [];
   for (const r of rows.filter((x) => x.implementation.startsWith("card"))) {
     const same = rows.find((x) => x.case === r.case && x.contract === r.contract && x.implementation.startsWith("onnxruntime") && x.ms);

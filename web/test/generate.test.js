@@ -1,14 +1,16 @@
 // generate.html in headless Chromium: transformers.js (onnxruntime-web) generates transformers'
 // greedy tokens from each deltarule export folder (web/models, by web/models.py), on WebGPU
 // (SwiftShader here) and on WASM, the folder picked as a person picks it; what it cannot run gets
-// a message in the page and the page keeps working; "Time prefill" times the fused export and
-// its Scan twin (measured, not asserted: docs/export.md has the numbers).
+// a message in the page and the page keeps working; the quantized files (the index's `dtypes`)
+// chosen in the page's dtype list give onnxruntime's tokens or onnxruntime-web's exact refusal;
+// "Time prefill" times the fused export and its Scan twin (measured, not asserted: docs/export.md
+// has the numbers).
 import assert from "node:assert/strict";
 import fs from "node:fs";
 import os from "node:os";
 import path from "node:path";
 import { test } from "node:test";
-import { modelIndex, modelsRoot, pick, press, timePrefill, webRoot } from "./page.js";
+import { choose, modelIndex, modelsRoot, pick, press, timePrefill, webRoot } from "./page.js";
 import { serve, withChromium } from "./gpu.js";
 
 const index = modelIndex();
@@ -61,6 +63,77 @@ for (const device of ["webgpu", "wasm"]) {
       });
     });
 }
+
+// The quantized files, chosen in the page's dtype list, against onnxruntime (Python) on the same
+// file. WASM: onnxruntime-web's WASM build computes MatMulNBits in float32 whatever its
+// accuracy_level (native onnxruntime's CPU kernels quantize the activations to int8 at level 4),
+// so its tokens are the index's `float_tokens` (onnxruntime with accuracy_level 0); it has no
+// kernel for GatherBlockQuantized, so a q4 file with quantized embeddings is refused by name.
+// WebGPU: q4 gives onnxruntime's tokens; q4f16 needs shader-f16 (SwiftShader has none: every f16
+// kernel refuses to build its shader, said by name when the first one runs).
+const refusals = {
+  gatherBlockQuantized: /Can't create a session\. ERROR_CODE: 9, ERROR_MESSAGE: Could not find an implementation for GatherBlockQuantized\(1\) node with name 'node_embedding_Q4'/,
+  f16: /failed to call OrtRun\(\)\. ERROR_CODE: 1, ERROR_MESSAGE: Non-zero status code returned while running \w+ node\. Name:'[^']+' Status Message: shader_helper\.cc:\d+ GenerateSourceCode Program \w+ requires f16 but the device does not support it\./,
+};
+test("chromium: q8 / q4 on WASM and q4 / q4f16 on WebGPU against onnxruntime on the same file", { timeout: 600_000 },
+  async (t) => {
+    await onPage(async (page) => {
+      const versions = await page.evaluate(async () =>
+        (await (await import("./generate.js")).transformersJs()).env.backends.onnx.versions);
+      const wanted = JSON.parse(fs.readFileSync(path.join(webRoot, "package.json"), "utf8")).dependencies["onnxruntime-web"];
+      assert.deepEqual(versions, { common: wanted, web: wanted });
+      const f16 = await page.evaluate(async () => !!(await navigator.gpu?.requestAdapter())?.features.has("shader-f16"));
+      await page.fill("#prompt", index.prompt);
+      await page.fill("#max-new-tokens", String(index.max_new_tokens));
+      const generates = async (m, dtype, expected) => {
+        const after = await press(page, "#generate");
+        assert.equal(after.state, "ready", `${m.name} ${dtype}: ${after.error}`);
+        const run = after.runs.at(-1);
+        assert.equal(run.dtype, dtype);
+        assert.deepEqual(run.promptIds, m.prompt_ids);
+        assert.deepEqual(run.tokens, expected, `${m.name} ${dtype} on ${run.device}: greedy tokens`);
+        t.diagnostic(`${m.name} ${dtype} on ${run.device}: ${run.tokens.length} tokens equal`);
+      };
+      for (const m of index.models.filter((m) => Object.keys(m.dtypes).length)) {
+        const embeddings = m.dtypes.q4.ops.includes("com.microsoft.GatherBlockQuantized");
+        assert.equal((await pick(page, path.join(modelsRoot, m.name), "wasm")).state, "ready");
+        assert.deepEqual(await page.$$eval("#dtype option", (os) => os.map((o) => o.value)), ["fp32", ...Object.keys(m.dtypes)]);
+        assert.equal((await choose(page, "dtype", "q8")).state, "ready");
+        await generates(m, "q8", m.dtypes.q8.float_tokens);
+        const q4 = await choose(page, "dtype", "q4");
+        if (embeddings) {
+          assert.equal(q4.state, "error", `${m.name} q4 loaded on WASM`);
+          assert.match(q4.error, refusals.gatherBlockQuantized);
+          assert.equal(await page.textContent("#error"), q4.error);
+          t.diagnostic(`${m.name} q4 on wasm: refused (${q4.error})`);
+        } else {
+          assert.equal(q4.state, "ready", q4.error);
+          await generates(m, "q4", m.dtypes.q4.float_tokens);
+        }
+        // the backend changed, the dtype kept
+        const gpu = await choose(page, "device", "webgpu");
+        assert.equal(gpu.state, "ready", gpu.error);
+        assert.equal(gpu.model.dtype, "q4");
+        await generates(m, "q4", m.dtypes.q4.tokens);
+        assert.equal((await choose(page, "dtype", "q4f16")).state, "ready");
+        if (f16) {
+          await generates(m, "q4f16", m.dtypes.q4f16.tokens);
+        } else {
+          const after = await press(page, "#generate");
+          assert.equal(after.state, "error", `${m.name} q4f16 generated on WebGPU without shader-f16`);
+          assert.match(after.error, refusals.f16);
+          assert.equal(await page.textContent("#error"), after.error);
+          t.diagnostic(`${m.name} q4f16 on webgpu: refused (no shader-f16: ${after.error})`);
+        }
+      }
+      // after the refusals the page still loads and generates
+      const good = index.models.find((m) => !m.transformers_js);
+      assert.equal((await pick(page, path.join(modelsRoot, good.name), "wasm")).state, "ready");
+      assert.deepEqual((await press(page, "#generate")).runs.at(-1).tokens, good.tokens);
+      fs.mkdirSync(shots, { recursive: true });
+      await page.screenshot({ path: path.join(shots, "generate-dtypes.png"), fullPage: true });
+    });
+  });
 
 // a folder that is not an export, a model too large for the page, a family transformers.js
 // lacks: each gets its message, and the next good folder still generates; a lost WebGPU device

@@ -26,6 +26,15 @@ export async function pick(page, folder, device) {
   return page.evaluate(() => window.page);
 }
 
+// Choose `value` in the page's list `what` ("dtype": the picked folder's dtypes; "device": the
+// backend) for the folder already picked; resolves to window.page once it is loaded so or has failed.
+export async function choose(page, what, value) {
+  await page.selectOption(`#${what}`, value);
+  await page.waitForFunction(([what, value]) => window.page.state === "error" ||
+    (window.page.state === "ready" && window.page.model?.[what] === value), [what, value], { timeout: 600_000 });
+  return page.evaluate(() => window.page);
+}
+
 // Press `button` ("#generate" or "#time-prefill"); resolves to window.page after its run.
 export async function press(page, button) {
   const runs = await page.evaluate(() => window.page.runs.length);
