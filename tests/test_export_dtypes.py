@@ -151,7 +151,7 @@ def test_q4_greedy_in_onnxruntime_and_runner(every_dtype):
         ids = np.concatenate([ids, nxt[:, None]], axis=1)
 
 
-def test_standard_target_quantizes_to_dequantize_linear(tied, tmp_path):
+def test_standard_target_quantizes_to_dequantize_linear(tied, every_dtype, tmp_path):
     """The "onnx" target keeps to standard ops: blocked DequantizeLinear -> MatMul (the
     options reach the quantizer: blocks of 16, zero points)."""
     ex = deltarule.export.onnx(tied, str(tmp_path / "out"), target="onnx", dtype="q4",
@@ -164,12 +164,7 @@ def test_standard_target_quantizes_to_dequantize_linear(tied, tmp_path):
     assert weights == []
     assert {a.i for n in dequantize for a in n.attribute if a.name == "block_size"} == {16}
     assert all(len(n.input) == 3 for n in dequantize)                  # zero points: asymmetric
-    assert rel(_logits(ex.models["q4"]["model"]), _logits_of_float(tied, tmp_path)) < 0.3
-
-
-def _logits_of_float(ck, tmp_path):
-    ex = deltarule.export.onnx(ck, str(tmp_path / "float"), target="onnx")
-    return _logits(ex.path)
+    assert rel(_logits(ex.models["q4"]["model"]), _logits(every_dtype.models["fp32"]["model"])) < 0.3
 
 
 def test_text_only_pair_at_each_dtype(tmp_path):
@@ -232,11 +227,11 @@ def test_sibling_matmuls_merged(every_dtype):
     assert sum(n.op_type == "Split" and n.name.endswith(".split") for n in model.graph.node) == 5
 
 
-def test_num_logits_to_keep(tied, tmp_path):
+def test_num_logits_to_keep(tied, every_dtype, tmp_path):
     """The decoder takes num_logits_to_keep (0: every position, n: the last n) and computes only
     those rows; the repeated key / value heads before Attention are gone; greedy tokens are the
     full decoder's; no genai_config.json (genai does not feed the input)."""
-    full = deltarule.export.onnx(tied, str(tmp_path / "full"))
+    full = every_dtype.models["fp32"]["model"]
     ex = deltarule.export.onnx(tied, str(tmp_path / "last"), dtype=["fp32", "q4"], num_logits_to_keep=True)
     assert ex.inputs[-1] == "num_logits_to_keep" and ex.genai_model is None and ex.no_genai_config
     assert not os.path.exists(os.path.join(ex.directory, "genai_config.json"))
@@ -246,13 +241,13 @@ def test_num_logits_to_keep(tied, tmp_path):
     assert attention and all(n.input[1].startswith("present.") and n.input[2].startswith("present.")
                              for n in attention)                 # the cache itself, no repeated copy
     ids = np.array([[5, 17, 99, 3, 42, 7, 8, 9]])
-    want = _logits(full.path, ids)
+    want = _logits(full, ids)
     session = DecoderSession(ex.path)
     state = session.zero_state(1)
     for keep, rows in ((0, 8), (1, 1), (3, 3), (20, 8)):
         got, present = session.step(ids, np.ones_like(ids), state, keep_logits=keep)
         assert got.shape == (1, rows, want.shape[-1])
         assert rel(got, want[:, -rows:]) < 1e-6
-    np.testing.assert_array_equal(session.greedy(PROMPT, 6), DecoderSession(full.path).greedy(PROMPT, 6))
+    np.testing.assert_array_equal(session.greedy(PROMPT, 6), DecoderSession(full).greedy(PROMPT, 6))
     q4 = onnx.load(ex.models["q4"]["model"])
     assert [i.name for i in q4.graph.input][-1] == "num_logits_to_keep"
