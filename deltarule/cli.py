@@ -128,7 +128,7 @@ def _export(args) -> int:
           + ", ".join(f"{n} {op}" for op, n in fused.items()) + ")")
     for dtype, files in result.models.items():
         left = result.quantized[dtype].left_float if dtype in result.quantized else ()
-        note = f"  ({len(left)} weight MatMuls left float)" if left else ""
+        note = f"  ({len(left)} weights left float: Exported.quantized)" if left else ""
         print(f"  {dtype}: " + ", ".join(os.path.relpath(path, result.directory) for path in files.values()) + note)
     if result.genai_model:
         print(f"  genai_config.json loads {result.genai_model}")

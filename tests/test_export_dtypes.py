@@ -251,3 +251,14 @@ def test_num_logits_to_keep(tied, every_dtype, tmp_path):
     np.testing.assert_array_equal(session.greedy(PROMPT, 6), DecoderSession(full).greedy(PROMPT, 6))
     q4 = onnx.load(ex.models["q4"]["model"])
     assert [i.name for i in q4.graph.input][-1] == "num_logits_to_keep"
+
+
+def test_moe_experts_left_float_are_named(tmp_path):
+    """The quantizer takes 2-D weights only: a MoE layer's batched expert weights stay float,
+    and the export says so (Exported.quantized[dtype].left_float), the rest quantized."""
+    ck = checkpoints.save("qwen3_5_moe", str(tmp_path / "ck"))
+    ex = deltarule.export.onnx(ck, str(tmp_path / "out"), dtype="q4")
+    left = ex.quantized["q4"].left_float
+    assert left and all(len(shape) == 3 for _, shape in left)
+    assert ex.quantized["q4"].made[("com.microsoft", "MatMulNBits")] > 0
+    assert DecoderSession(ex.path).greedy(PROMPT, 3).shape == (1, 3)

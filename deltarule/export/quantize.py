@@ -96,8 +96,8 @@ class Quantization:
 class Quantized:
     """What quantizing one model did: the count of (domain, op) nodes it made, the weight
     MatMuls (node name, weight shape) kept float by choice (`deltarule.export.lean.narrow`: the
-    per-head gate projections) and those the
-    quantizer did not take (left float)."""
+    per-head gate projections) and the weights the quantizer did not take (left float: 2-D
+    weight MatMuls by node name, batched weights of rank >= 3, MoE experts, by tensor name)."""
 
     made: dict
     left_float: tuple
@@ -160,6 +160,10 @@ def quantize(model: onnx.ModelProto, dtype: Dtype, quantization: Quantization, *
     after = Counter((n.domain, n.op_type) for n in result.graph.node)
     made = {op: after[op] - before.get(op, 0) for op in after if after[op] > before.get(op, 0)}
     left = tuple((node.name, list(w.dims)) for node, w in weight_matmuls(result) if not narrow(w))
+    convs = {name for n in result.graph.node if n.op_type in ("CausalConvWithState", "Conv") for name in n.input}
+    left += tuple((t.name, list(t.dims)) for t in result.graph.initializer   # batched (MoE expert) weights
+                  if len(t.dims) >= 3 and t.name not in convs
+                  and t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16))
     if not made:
         raise Unsupported(f"onnxruntime's quantizer quantized no weight of the {dtype.name} model "
                           f"({len(left)} weight MatMuls left float)")
