@@ -42,16 +42,16 @@ def _producers(graph) -> dict:
     return {out: node for node in graph.node for out in node.output}
 
 
-def _constant_ints(graph, name: str) -> list[int] | None:
-    """The int values of `name` when it is an initializer or a Constant node's output."""
+def _constant(graph, name: str | None, kind=int) -> list | None:
+    """The values of `name` (as `kind`) when it is an initializer or a Constant node's output."""
     for t in graph.initializer:
-        if t.name == name:
-            return [int(x) for x in onnx.numpy_helper.to_array(t).reshape(-1)]
+        if name is not None and t.name == name:
+            return [kind(x) for x in onnx.numpy_helper.to_array(t).reshape(-1)]
     for node in graph.node:
-        if node.op_type == "Constant" and node.output[0] == name:
+        if name is not None and node.op_type == "Constant" and node.output[0] == name:
             for a in node.attribute:
                 if a.name == "value":
-                    return [int(x) for x in onnx.numpy_helper.to_array(a.t).reshape(-1)]
+                    return [kind(x) for x in onnx.numpy_helper.to_array(a.t).reshape(-1)]
     return None
 
 
@@ -91,7 +91,7 @@ def shared_kv_heads(model: onnx.ModelProto) -> int:
             if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or len(unsqueeze.input) < 2:
                 continue
             source = unsqueeze.input[0]
-            if _constant_ints(graph, unsqueeze.input[1]) != [2] or ranks.get(source) != 4:
+            if _constant(graph, unsqueeze.input[1]) != [2] or ranks.get(source) != 4:
                 continue
             node.input[slot] = source
             rewritten += 1
@@ -232,12 +232,12 @@ def l2_norms(model: onnx.ModelProto) -> int:
         square = next((producers.get(i) for i in add.input if producers.get(i) is not None
                        and producers[i].op_type == "ReduceSumSquare"), None)
         eps_name = next((i for i in add.input if square is None or i != square.output[0]), None)
-        eps = _constant_floats(graph, eps_name)
+        eps = _constant(graph, eps_name, float)
         shape = shapes.get(x)
         if square is None or square.input[0] != x or eps is None or len(eps) != 1 or not shape \
                 or not isinstance(shape[-1], int) or shape[-1] <= 0:
             continue
-        if _constant_ints(graph, square.input[1]) not in ([-1], [len(shape) - 1]) or _attribute(square, "keepdims", 1) != 1:
+        if _constant(graph, square.input[1]) not in ([-1], [len(shape) - 1]) or _attribute(square, "keepdims", 1) != 1:
             continue
         if _elem_type(model, x) != TensorProto.FLOAT:
             continue
@@ -252,21 +252,6 @@ def l2_norms(model: onnx.ModelProto) -> int:
         rewritten += 1
     _remove_dead(graph)
     return rewritten
-
-
-def _constant_floats(graph, name) -> list | None:
-    """The float values of `name` when it is an initializer or a Constant node's output."""
-    if name is None:
-        return None
-    for t in graph.initializer:
-        if t.name == name:
-            return [float(x) for x in onnx.numpy_helper.to_array(t).reshape(-1)]
-    for node in graph.node:
-        if node.op_type == "Constant" and node.output[0] == name:
-            for a in node.attribute:
-                if a.name == "value":
-                    return [float(x) for x in onnx.numpy_helper.to_array(a.t).reshape(-1)]
-    return None
 
 
 def _elem_type(model, name) -> int | None:
