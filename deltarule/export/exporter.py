@@ -233,7 +233,7 @@ def _quantized(proto, base: str, dtype, quantization: Quantization, target: str)
     """`proto` (the part `base`) at the quantized `dtype`: (model, `quantize.Quantized`). The
     text-only pair's ``embed_tokens`` is only a Gather: quantized where the embedding is."""
     standard = target == "onnx"
-    if base == "embed_tokens" and (dtype.bits != 4 or not quantization.embeddings or standard):
+    if base == "embed_tokens" and not quantize.quantizes_embeddings(dtype, quantization, standard=standard):
         return proto, quantize.Quantized({}, ())
     return quantize.quantize(proto, dtype, quantization, standard=standard)
 

@@ -130,6 +130,12 @@ def file_name(base: str, dtype: Dtype) -> str:
     return f"{base}{dtype.suffix}.onnx"
 
 
+def quantizes_embeddings(dtype: Dtype, quantization: Quantization, *, standard: bool) -> bool:
+    """Whether `quantize` makes the embedding table GatherBlockQuantized: 4 bits, asked for, and a
+    com.microsoft target (the quantizer has no 8-bit Gather; the standard form has no such op)."""
+    return dtype.bits == 4 and quantization.embeddings and not standard
+
+
 def quantize(model: onnx.ModelProto, dtype: Dtype, quantization: Quantization, *, standard: bool) -> tuple:
     """`model` with its weights quantized to `dtype.bits` by onnxruntime's weight-only quantizer
     (`standard`: the QDQ form of standard ops, for the ``"onnx"`` target); returns (model,
@@ -139,8 +145,7 @@ def quantize(model: onnx.ModelProto, dtype: Dtype, quantization: Quantization, *
     from onnxruntime.quantization.quant_utils import QuantFormat
     model = _untie_transposed_weights(model)
     kept = [(node.name, list(w.dims)) for node, w in weight_matmuls(model) if narrow(w)]
-    gather = dtype.bits == 4 and quantization.embeddings and not standard
-    ops = ("MatMul", "Gather") if gather else ("MatMul",)
+    ops = ("MatMul", "Gather") if quantizes_embeddings(dtype, quantization, standard=standard) else ("MatMul",)
     config = DefaultWeightOnlyQuantConfig(
         block_size=quantization.block_size, is_symmetric=quantization.symmetric,
         accuracy_level=quantization.accuracy_level, bits=dtype.bits, op_types_to_quantize=ops,
