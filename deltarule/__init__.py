@@ -6,8 +6,9 @@ from .backends.wgsl_slab import WgslStateSlab
 from .batch import BatchPlan, plan_batch
 from .errors import ContractError, Unsupported
 from .gate import gate
+from .replay import replay
 
 __version__ = "0.1.0"
 
-__all__ = ["linear_attention", "validate", "plan_batch", "BatchPlan", "backend_info", "gate", "ContractError",
+__all__ = ["linear_attention", "validate", "plan_batch", "BatchPlan", "backend_info", "gate", "replay", "ContractError",
            "Unsupported", "WgslStateSlab", "__version__"]

@@ -37,6 +37,7 @@ def linear_attention(
     dt_bias: torch.Tensor | None = None,
     beta_sigmoid: bool = False,
     chunk_size: int = 64,
+    capture: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The generalized gated delta rule, one formula for the whole family.
@@ -112,6 +113,19 @@ def linear_attention(
         beta_sigmoid: apply a sigmoid to beta / erase / write in float32.
         chunk_size: scheduling hint >= 1; never changes the result beyond
             rounding.
+        capture: None, or a float32 contiguous [N, C * (Dw + Hk*K + Hv*V)]
+            buffer (q's device; C >= 1 the capacity; Dw = Hv*K with `gk`,
+            else Hv) written IN PLACE with the factors of each sequence's
+            first min(C, length) transitions, ONNX Runtime's compact
+            `state_update` layout (docs/design.md, "Compact capture"): row n
+            holds C decay factors exp(g + gk) [Dw], then C keys (after
+            `qk_l2norm`) [Hk, K], then C deltas w*v - S'^T (b*k) [Hv, V], so
+            that S_t = diag(decay) S_{t-1} + key delta^T (`deltarule.replay`).
+            Entries past a sequence's count are left as they were. The call
+            runs token by token. With a slab (1-D `state_indices`) it is a
+            verify: the rows are read and NOT written (replay commits).
+            Refused with gradients or 2-D `state_indices`; under torch.compile
+            the call is a graph break (it runs eagerly).
         backend: "auto" (default) or a name from `deltarule.backends()`.
 
     Returns:
@@ -160,26 +174,40 @@ def linear_attention(
         ...     initial_state=slab, state_indices=rows)
         >>> bool(slab[3].eq(0).all()), bool(slab[6].ne(0).any())
         (True, True)
+
+    Compact capture (speculative decoding without per-token rows): verify the
+    3 draft tokens reading row 0 and 4, keep the factors, commit 2 and 3::
+
+        >>> C = 3
+        >>> capture = torch.empty(2, C * (H + H * K + H * V))
+        >>> before = slab.clone()
+        >>> o, _ = deltarule.linear_attention(
+        ...     q, k, v, g=-torch.rand(2, 3, H), beta=torch.rand(2, 3, H),
+        ...     initial_state=slab, state_indices=torch.tensor([0, 4]), capture=capture)
+        >>> bool(torch.equal(slab, before))                  # a verify writes no row
+        True
+        >>> _ = deltarule.replay(slab, capture, torch.tensor([2, 3]), key_heads=H,
+        ...                      state_indices=torch.tensor([0, 4]))
     """
     if _is_compiling():
         return library.call({**locals(), "accept_growth": False})
     # positional, in the record's order (deltarule.arguments; checked by tests/test_arguments.py)
     return engine.run(q, k, v, rule, g, gk, beta, erase, write, scale, initial_state, state_layout, cu_seqlens,
                       seq_lens, state_indices, num_accepted_tokens, plan, qk_l2norm, l2norm_eps, A_log, dt_bias,
-                      beta_sigmoid, chunk_size, backend, False)
+                      beta_sigmoid, chunk_size, capture, backend, False)
 
 
 def call(q, k, v, *, rule="gated_delta", g=None, gk=None, beta=None, erase=None, write=None, scale=None,
          initial_state=None, state_layout="kv", cu_seqlens=None, seq_lens=None, state_indices=None,
          num_accepted_tokens=None, plan=None, qk_l2norm=False, l2norm_eps=1e-6, A_log=None, dt_bias=None,
-         beta_sigmoid=False, chunk_size=64, backend="auto", accept_growth=False):
+         beta_sigmoid=False, chunk_size=64, capture=None, backend="auto", accept_growth=False):
     """`linear_attention` for the contract adapters: the same arguments, plus `accept_growth`
     (see `validate`): the adapters of runtimes that take positive log decays pass True."""
     if _is_compiling():
         return library.call(locals())
     return engine.run(q, k, v, rule, g, gk, beta, erase, write, scale, initial_state, state_layout, cu_seqlens,
                       seq_lens, state_indices, num_accepted_tokens, plan, qk_l2norm, l2norm_eps, A_log, dt_bias,
-                      beta_sigmoid, chunk_size, backend, accept_growth)
+                      beta_sigmoid, chunk_size, capture, backend, accept_growth)
 
 
 arguments.check_signature(linear_attention)

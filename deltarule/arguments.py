@@ -39,8 +39,9 @@ _SCHEMA_TYPES = {"tensor": "Tensor", "tensor?": "Tensor?", "index?": "Tensor?", 
 class Argument:
     """One argument: `kind` is "tensor" (required), "tensor?" (an optional operand),
     "state?" (initial_state: a tensor, a device slab or None), "index?" (an optional index
-    tensor of the batch layout), "plan?", or a scalar type ("str", "float?", "float",
-    "bool", "int"); `public`: in `linear_attention`'s signature (else the adapters' only)."""
+    tensor of the batch layout), "plan?", "capture?" (an output buffer the call writes in
+    place; such a call runs eagerly, so it is not in the ops' schemas), or a scalar type
+    ("str", "float?", "float", "bool", "int"); `public`: in `linear_attention`'s signature (else the adapters' only)."""
 
     name: str
     kind: str
@@ -50,7 +51,7 @@ class Argument:
 
     @property
     def tensor(self) -> bool:
-        return self.kind in ("tensor", "tensor?", "state?", "index?")
+        return self.kind in ("tensor", "tensor?", "state?", "index?", "capture?")
 
 
 ARGUMENTS: tuple[Argument, ...] = (
@@ -77,6 +78,8 @@ ARGUMENTS: tuple[Argument, ...] = (
     Argument("dt_bias", "tensor?", None, differentiable=True),
     Argument("beta_sigmoid", "bool", False),
     Argument("chunk_size", "int", 64),
+    # written in place, never differentiated; eager even when traced (`deltarule.library`)
+    Argument("capture", "capture?", None),
     Argument("backend", "str", "auto"),
     # the adapters of runtimes that take positive log decays pass True (`api.call`)
     Argument("accept_growth", "bool", False, public=False),
@@ -87,6 +90,8 @@ BY_NAME = {a.name: a for a in ARGUMENTS}
 INDEX = tuple(a.name for a in ARGUMENTS if a.kind == "index?")
 # the tensors a gradient reaches (and that a slab may not share memory with), in the record's order
 OPERANDS = tuple(a.name for a in ARGUMENTS if a.differentiable)
+# the arguments the custom ops take (a capture buffer is eager-only: `deltarule.library`)
+TRACED = tuple(a for a in ARGUMENTS if a.kind != "capture?")
 # a kept launch's tensors (`backends.cpu_backend.Launch`): the operands, the state last
 LAUNCH_OPERANDS = tuple(n for n in OPERANDS if n != "initial_state") + ("initial_state",)
 # a plan in an op's arguments: the host copies of the index tensors it was built from
@@ -99,7 +104,7 @@ PLAN_ARGUMENTS = (*((n, "Tensor?") for n in PLAN_INDICES), ("plan_layout", "int[
 def op_names() -> tuple[str, ...]:
     """The ops' argument names, in schema order (the plan replaced by `PLAN_ARGUMENTS`)."""
     names = []
-    for a in ARGUMENTS:
+    for a in TRACED:
         names.extend(n for n, _ in PLAN_ARGUMENTS) if a.kind == "plan?" else names.append(a.name)
     return tuple(names)
 
@@ -108,7 +113,7 @@ def op_schema(*, slab: bool) -> str:
     """The argument list of the ops' schemas: ``slab`` marks initial_state as mutated (the slab
     op updates it in place; there it is required)."""
     parts = []
-    for a in ARGUMENTS:
+    for a in TRACED:
         if a.kind == "plan?":
             parts.extend(f"{t} {n}" for n, t in PLAN_ARGUMENTS)
         elif a.name == "initial_state" and slab:

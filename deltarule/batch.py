@@ -121,6 +121,18 @@ class BatchPlan:
         """Per-token state rows (2-D `state_indices`)."""
         return self.token_rows is not None
 
+    def verify(self) -> "BatchPlan":
+        """This slab plan as a verify step (a call with a compact `capture`): each sequence
+        reads its row and stores nothing (every `final` and per-token row -1), so the rows
+        keep the state the accepted transitions are replayed onto (`deltarule.replay`)."""
+        def build():
+            spans = tuple(s._replace(final=-1) for s in self.spans)
+            rows = np.full((self.N, max(self.max_len, 1)), -1, dtype=np.int64)
+            rows.flags.writeable = False
+            return BatchPlan(self.B, self.T, spans, rows, self.num_slots, self.varlen, self.device,
+                             indices=self.indices)
+        return self.cached("verify", build)
+
     def cached(self, key, build):
         """`build()` on first use for `key`, then the same object: the device tables a
         backend derives from the plan (kept with the plan, so a reused plan reuses them)."""

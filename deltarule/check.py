@@ -40,10 +40,11 @@ class Result:
     tol: float
     tol_state: float
     seconds: float
+    err_capture: float = 0.0       # the capture buffer's (a case with `capture`), against o's tolerance
 
     @property
     def passed(self) -> bool:
-        return self.err_o <= self.tol and self.err_state <= self.tol_state
+        return self.err_o <= self.tol and self.err_state <= self.tol_state and self.err_capture <= self.tol
 
 
 def rel_err(out: torch.Tensor, ref: np.ndarray) -> float:
@@ -62,22 +63,40 @@ def expected(args: dict) -> tuple[np.ndarray, np.ndarray]:
     For slab calls the expected state is the whole slab: untouched rows as
     they were, the final and per-token rows replaced by the sequences' states.
     """
+    return expected_with_capture(args)[:2]
+
+
+def expected_with_capture(args: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """`expected` and the capture buffer the call leaves (None without `capture`; NaN where
+    the call writes nothing)."""
     backend_free = {n: x for n, x in args.items() if n != "backend"}
     p = api.validate(**backend_free, accept_growth=True)      # the oracle computes any log decay
     sol = reference.solve(p)
-    return sol.o, reference.expected_state(p, sol).numpy()
+    capture = None if sol.capture is None else reference.expected_capture(p, sol.capture)
+    return sol.o, reference.expected_state(p, sol).numpy(), capture
+
+
+def capture_err(out: torch.Tensor, ref: np.ndarray) -> float:
+    """`rel_err` of a capture buffer over the entries the reference wrote; inf unless the
+    backend wrote exactly those (NaN-poisoned buffers: an entry written past a sequence's
+    count, or one left unwritten, shows)."""
+    out64 = out.detach().to("cpu", torch.float64).numpy()
+    written = ~np.isnan(ref)
+    if not np.array_equal(~np.isnan(out64), written):
+        return float("inf")
+    return rel_err(torch.from_numpy(out64[written]), ref[written])
 
 
 @functools.lru_cache(maxsize=None)
-def expected_for_case(name: str, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+def expected_for_case(name: str, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """`expected` of a test.json case, computed once per process."""
     case = next(c for c in test_cases() if c["name"] == name)
-    return expected(make_inputs(case, dtype))
+    return expected_with_capture(make_inputs(case, dtype))
 
 
 def compare(case: dict, dtype: str, backend: str, device: str = "cpu") -> Result:
     args = make_inputs(case, dtype, device)
-    ref_o, ref_state = expected_for_case(case["name"], dtype)
+    ref_o, ref_state, ref_capture = expected_for_case(case["name"], dtype)
     start = time.perf_counter()
     o, state = api.linear_attention(**args, backend=backend)
     seconds = time.perf_counter() - start
@@ -90,8 +109,9 @@ def compare(case: dict, dtype: str, backend: str, device: str = "cpu") -> Result
     if state.dtype != state_dtype:
         raise AssertionError(f"{case['name']}: state dtype {state.dtype}, expected {state_dtype}")
     tol = float(case["tol"][dtype])
+    err_capture = 0.0 if ref_capture is None else capture_err(args["capture"], ref_capture)
     return Result(case["name"], dtype, backend, rel_err(o, ref_o), rel_err(state, ref_state), tol,
-                  tol + STORE_TOL[state_dtype], seconds)
+                  tol + STORE_TOL[state_dtype], seconds, err_capture)
 
 
 def _device(text: str) -> str:

@@ -558,6 +558,8 @@ def _chain(table, gathered, rank, h0, N, Hv, K, V, device):
     return (torch.stack(incoming) if incoming else None), torch.stack(finals)
 
 
-# the serving arguments are not accepted (a slab is updated in place on one device)
-arguments.check_signature(linear_attention, without=("seq_lens", "state_indices", "num_accepted_tokens", "plan"),
+# the serving arguments are not accepted (a slab is updated in place on one device), nor a
+# compact capture (a verify step is a few tokens: nothing to split across ranks)
+arguments.check_signature(linear_attention, without=("seq_lens", "state_indices", "num_accepted_tokens", "plan",
+                                                     "capture"),
                           extra=("group",))

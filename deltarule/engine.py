@@ -16,7 +16,8 @@ validated. The signature (`launch_key`) is generated from the record: everything
 `validate` checks that does not depend on the tensors' values or addresses (each tensor's
 presence, shape, contiguity or strides, dtype and device, whether a gradient is wanted, and
 every scalar, with its type where validation tells types apart); the launch checks what
-does (the sign of the log decays, a slab's overlap with the inputs) on every call.
+does (the sign of the log decays, a slab's overlap with the inputs) on every call. A call
+with a `capture` buffer always takes the full path (no kept launch writes one).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def _key_parts() -> tuple[list[str], str]:
             parts.append(part if a.kind == "tensor" else f"(None if {x} is None else {part})")
             if a.differentiable:            # (a device slab has no requires_grad: AttributeError, no launch)
                 grads.append(f"{x}.requires_grad" if a.kind == "tensor" else f"({x} is not None and {x}.requires_grad)")
+        elif a.kind == "capture?":         # a capture call never takes a kept launch (see `run`)
+            continue
         elif a.kind == "str":               # validation compares strings by value alone
             parts.append(x)
         elif a.kind not in ("index?", "plan?"):     # other scalars: value and type (True == 1, 0 == False)
@@ -82,7 +85,7 @@ def _source() -> str:
     names = ", ".join(_NAMES)
     call = "{" + ", ".join(f"{n!r}: {n}" for n in _NAMES) + "}"
     index = ", ".join(_INDEX)
-    keyed = [n for n in _NAMES if arguments.BY_NAME[n].kind not in ("index?", "plan?")]
+    keyed = [n for n in _NAMES if arguments.BY_NAME[n].kind not in ("index?", "plan?", "capture?")]
     return f"""\
 def run({names}):
     "(o, state) of a call: the record's arguments, positionally in its order."
@@ -90,7 +93,7 @@ def run({names}):
         plan = _known_plan(q, initial_state, {index})
         if plan is not None:
             {" = ".join(_INDEX)} = None
-    if plan is not None and {" and ".join(f"{n} is None" for n in _INDEX)}:
+    if plan is not None and capture is None and {" and ".join(f"{n} is None" for n in _INDEX)}:
         try:
             key = {key}
             launch = plan._cache[key]
@@ -179,7 +182,8 @@ def _values(x, device):
 
 
 _namespace = {"_is_grad_enabled": _is_grad_enabled, "_launch": _launch, "_full": _full, "_known_plan": _known_plan,
-              "_keyed": operator.itemgetter(*(n for n in _NAMES if arguments.BY_NAME[n].kind not in ("index?", "plan?")))}
+              "_keyed": operator.itemgetter(*(n for n in _NAMES
+                                              if arguments.BY_NAME[n].kind not in ("index?", "plan?", "capture?")))}
 exec(_source(), _namespace)                # generated once, at import: see _source
 run = _namespace["run"]
 launch_key = _namespace["launch_key"]

@@ -19,6 +19,8 @@ runs without a graph break, `fullgraph=True` included, and an exported program h
   rows); updates ``initial_state`` in place (declared mutated) and returns ``o``. Preceded by
   ``deltarule::check_slab`` (no outputs, kept by dead-code elimination): the aliasing rule on the
   caller's tensors, which a functionalized graph does not hand the slab op.
+- A call with a compact ``capture`` buffer is no op: it is a graph break and runs as eager code
+  (the buffer it writes in place is not an argument the ops declare).
 
 The ops' arguments are the record's (`deltarule.arguments.op_schema`, in its order), but a
 plan travels as the host copies of the index tensors it was built from (``plan_cu_seqlens``,
@@ -73,7 +75,7 @@ _ops = torch.ops.deltarule
 
 def _call(args: tuple) -> dict:
     """An op's arguments (schema order) as the engine's call; the plan found by its indices."""
-    call = dict(zip(_OP_NAMES, args))
+    call = dict(zip(_OP_NAMES, args), capture=None)
     indices = tuple(call.pop(n) for n in _PLAN_INDICES)
     layout, device = call.pop("plan_layout"), call.pop("plan_device")
     call["plan"] = None if layout is None else engine.plan_of_indices(indices, layout, device)
@@ -197,7 +199,9 @@ def call(call: dict):
     """A call of `linear_attention` (a dict of the record's arguments) as one of the ops,
     by keyword."""
     plan = call["plan"]
-    op_args = {n: x for n, x in call.items() if n != "plan"}
+    if call["capture"] is not None:          # a graph break: the ops do not declare the buffer they'd write
+        return _eager(call)
+    op_args = {n: x for n, x in call.items() if n not in ("plan", "capture")}
     if plan is None:
         op_args.update(dict.fromkeys(_PLAN_INDICES), plan_layout=None, plan_device=None)
     else:
@@ -215,6 +219,11 @@ def call(call: dict):
     else:
         num_states = call["q"].shape[0]
     return _ops.linear_attention.default(**op_args, num_states=num_states)
+
+
+# a call with a compact `capture` runs as eager code under torch.compile (a graph break;
+# `fullgraph=True` refuses it, torch.export cannot hold it)
+_eager = torch.compiler.disable(engine.run_call)
 
 
 def _fresh(x: torch.Tensor, inputs) -> torch.Tensor:

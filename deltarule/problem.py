@@ -71,6 +71,7 @@ class Problem:
     dt_bias: torch.Tensor | None
     beta_sigmoid: bool
     chunk_size: int
+    capture: torch.Tensor | None   # [N, C * (Dw + Hk*K + Hv*V)] float32, written in place (design.md)
     # the sizes, read once by the validation (a decode step's backends read them dozens of times)
     B: int
     T: int
@@ -124,3 +125,35 @@ class Problem:
     @property
     def max_len(self) -> int:
         return self.plan.max_len
+
+    @property
+    def decay_width(self) -> int:
+        """Dw, the decay factors of one captured transition: Hv * K with per-key decay, else Hv."""
+        return self.Hv * self.K if self.gk is not None else self.Hv
+
+    @property
+    def capacity(self) -> int:
+        """C, the transitions a capture row holds per sequence; 0 without `capture`."""
+        if self.capture is None:
+            return 0
+        return self.capture.shape[1] // (self.decay_width + self.Hk * self.K + self.Hv * self.V)
+
+    @property
+    def token_serial(self) -> bool:
+        """The call must run token by token: it stores per-token states (a speculative plan) or
+        captures transitions; the chunked form forms neither."""
+        return self.plan.speculative or self.capture is not None
+
+    def capture_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of `capture`: (decay [N, C, Dw], key [N, C, Hk, K], delta [N, C, Hv, V])."""
+        return capture_parts(self.capture, self.capacity, self.decay_width, self.Hk, self.K, self.Hv, self.V)
+
+
+def capture_parts(capture: torch.Tensor, C: int, Dw: int, Hk: int, K: int, Hv: int, V: int):
+    """The struct-of-arrays views of a capture buffer [N, C * (Dw + Hk*K + Hv*V)]: (decay
+    [N, C, Dw], key [N, C, Hk, K], delta [N, C, Hv, V]); writes through them fill the buffer."""
+    N = capture.shape[0]
+    decay = capture[:, : C * Dw].view(N, C, Dw)
+    key = capture[:, C * Dw: C * (Dw + Hk * K)].view(N, C, Hk, K)
+    delta = capture[:, C * (Dw + Hk * K):].view(N, C, Hv, V)
+    return decay, key, delta

@@ -40,11 +40,26 @@ class Solution:
     finals: [N, Hv, K, V], each sequence's final state (zeros for padding).
     token_states: [W, Hv, K, V], the state after each per-token store of the
         plan (`BatchPlan.token_writes` order); W = 0 without 2-D state_indices.
+    capture: None without `p.capture`, else `Captured`: sequence n's first
+        count[n] = min(C, length) transitions (zeros past it and for padding).
     """
 
     o: np.ndarray
     finals: np.ndarray
     token_states: np.ndarray
+    capture: "Captured | None" = None
+
+
+@dataclass
+class Captured:
+    """The factors of captured transitions, float64: decay [N, C, Dw] (exp of the log
+    decay, 1 without one), key [N, C, Hk, K] (after qk_l2norm), delta [N, C, Hv, V]
+    (w * v - S'^T (b * k)), count [N] int; S_t = diag(decay) S_{t-1} + key delta^T."""
+
+    decay: np.ndarray
+    key: np.ndarray
+    delta: np.ndarray
+    count: np.ndarray
 
 
 def solve(p: Problem) -> Solution:
@@ -70,6 +85,7 @@ def solve(p: Problem) -> Solution:
     store_n, store_t, _ = p.plan.token_writes()
     token_states = np.zeros((len(store_n), Hv, p.K, p.V))
     stores = {(n, t): i for i, (n, t) in enumerate(zip(store_n.tolist(), store_t.tolist()))}
+    cap = _captured(p)
     for n, span in enumerate(p.spans):
         if not span.live:
             continue
@@ -82,13 +98,52 @@ def solve(p: Problem) -> Solution:
             if b is not None:
                 u = u - np.einsum("hk,hkv->hv", b[span.row, t] * kt, S)
             S = S + kt[:, :, None] * u[:, None, :]
+            i = t - span.start
+            if cap is not None and i < cap.decay.shape[1]:
+                if lam is not None:
+                    cap.decay[n, i] = np.broadcast_to(np.exp(lam[span.row, t]), (Hv, p.K))[
+                        :, : cap.decay.shape[2] // Hv].reshape(-1)
+                cap.key[n, i], cap.delta[n, i], cap.count[n] = k[span.row, t], u, i + 1
             qt = q[span.row, t][query_heads]                   # [Hv, G, K]
             o[span.row, t] = p.scale * np.einsum("hgk,hkv->hgv", qt, S).reshape(p.Ho, p.V)
             i = stores.get((n, t - span.start))
             if i is not None:
                 token_states[i] = S
         finals[n] = S
-    return Solution(o, finals, token_states)
+    return Solution(o, finals, token_states, cap)
+
+
+def _captured(p: Problem) -> Captured | None:
+    """The empty `Captured` of a call with a capture buffer (decay factors 1), else None."""
+    if p.capture is None:
+        return None
+    C = p.capacity
+    return Captured(decay=np.ones((p.N, C, p.decay_width)), key=np.zeros((p.N, C, p.Hk, p.K)),
+                    delta=np.zeros((p.N, C, p.Hv, p.V)), count=np.zeros(p.N, dtype=np.int64))
+
+
+def expected_capture(p: Problem, cap: Captured) -> np.ndarray:
+    """The capture buffer [N, C * (Dw + Hk*K + Hv*V)] a call leaves, float64: the captured
+    prefix of each sequence, NaN where the call writes nothing (past a sequence's count)."""
+    C, N = p.capacity, p.N
+    out = np.full((N, p.capture.shape[1]), np.nan)
+    widths = (p.decay_width, p.Hk * p.K, p.Hv * p.V)
+    base = 0
+    for part, w in zip((cap.decay, cap.key, cap.delta), widths):
+        view = out[:, base: base + C * w].reshape(N, C, w)
+        for n, c in enumerate(cap.count.tolist()):
+            view[n, :c] = part[n, :c].reshape(c, w)
+        base += C * w
+    return out
+
+
+def store_capture(p: Problem, cap: Captured) -> None:
+    """Write the captured prefix of each sequence into `p.capture` (float32, in place); the
+    entries past a sequence's count are left as they were."""
+    decay, key, delta = p.capture_parts()
+    for n, c in enumerate(cap.count.tolist()):
+        for part, values in ((decay, cap.decay), (key, cap.key), (delta, cap.delta)):
+            part[n, :c] = torch.from_numpy(values[n, :c]).to(part.device, part.dtype)
 
 
 def _log_decay(p: Problem) -> np.ndarray | None:
@@ -223,6 +278,8 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
             finals = finals.transpose(-1, -2)
         return o.to(p.v.dtype), finals.to(p.state_dtype).contiguous()
     sol = solve(p)
+    if sol.capture is not None:
+        store_capture(p, sol.capture)
     o = torch.from_numpy(sol.o).to(p.v.device, p.v.dtype)
     if not p.in_place:
         return o, expected_state(p, sol).to(p.v.device, p.state_dtype).contiguous()

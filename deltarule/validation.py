@@ -35,7 +35,7 @@ def validate(
     q, k, v, *, rule="gated_delta", g=None, gk=None, beta=None, erase=None, write=None,
     scale=None, initial_state=None, state_layout="kv", cu_seqlens=None, seq_lens=None,
     state_indices=None, num_accepted_tokens=None, plan=None, qk_l2norm=False, l2norm_eps=1e-6, A_log=None,
-    dt_bias=None, beta_sigmoid=False, chunk_size=64, accept_growth=False,
+    dt_bias=None, beta_sigmoid=False, chunk_size=64, capture=None, accept_growth=False,
 ) -> Problem:
     """Check every argument of `linear_attention`; return the `Problem`.
 
@@ -148,12 +148,19 @@ def validate(
         *differentiable_inputs(q, k, v, g, gk, beta, erase, write, A_log, dt_bias, initial_state))
     if requires_grad:
         _check_differentiable(plan)
+    if capture is not None:
+        plan = _check_capture(capture, plan, requires_grad=requires_grad, N=N, Dw=Hv * K if gk is not None else Hv,
+                              step=Hk * K + Hv * V, device=device, inputs=(
+                                  ("q", q), ("k", k), ("v", v), ("g", g), ("gk", gk), ("beta", beta),
+                                  ("erase", erase), ("write", write), ("A_log", A_log), ("dt_bias", dt_bias),
+                                  ("initial_state", initial_state if isinstance(initial_state, torch.Tensor)
+                                   else None)))
 
     return Problem(
         q=q, k=k, v=v, rule=rule, g=g, gk=gk, beta=beta, erase=erase, write=write,
         scale=float(scale), initial_state=initial_state, state_layout=state_layout,
         plan=plan, qk_l2norm=qk_l2norm, l2norm_eps=float(l2norm_eps), A_log=A_log, dt_bias=dt_bias,
-        beta_sigmoid=beta_sigmoid, chunk_size=int(chunk_size),
+        beta_sigmoid=beta_sigmoid, chunk_size=int(chunk_size), capture=capture,
         B=B, T=T, Hq=Hq, Hk=Hk, Hv=Hv, K=K, V=V, G=max(Hq // Hv, 1), Ho=max(Hq, Hv),
         state_dtype=initial_state.dtype if isinstance(initial_state, torch.Tensor) else torch.float32,
         device=device, requires_grad=requires_grad, accept_growth=bool(accept_growth),
@@ -177,6 +184,27 @@ def _check_differentiable(plan: BatchPlan) -> None:
     if plan.overlapping():
         raise ContractError("cu_seqlens", "sequences that do not overlap when an input requires grad",
                             "overlapping (clamped) sequences")
+
+
+def _check_capture(capture, plan: BatchPlan, *, requires_grad, N, Dw, step, device, inputs) -> BatchPlan:
+    """A capture buffer [N, C * (Dw + Hk*K + Hv*V)], C >= 1: float32, contiguous (the kernels
+    address it flat), sharing memory with no input. Returns the plan the backends run: with a
+    slab, one that reads the rows and stores nothing (`BatchPlan.verify`)."""
+    width = Dw + step
+    _check_tensor("capture", capture, rank=2, dtypes=(torch.float32,), dtype_names="float32", device=device)
+    if capture.shape[0] != N or capture.shape[1] < width or capture.shape[1] % width:
+        raise ContractError("capture", f"[N, C * (Dw + Hk*K + Hv*V)] = [{N}, C * {width}] with C >= 1",
+                            list(capture.shape))
+    if not capture.is_contiguous():
+        raise ContractError("capture", "a contiguous tensor", f"strides {capture.stride()}")
+    if requires_grad:
+        raise ContractError("capture", "None when an input requires grad (the captured factors are not "
+                            "differentiated)", "a tensor")
+    if plan.speculative:
+        raise ContractError("capture", "None with 2-D state_indices (the capture replaces per-token rows)",
+                            "a tensor")
+    aliasing.check_written("capture", capture, inputs)
+    return plan.verify() if plan.in_place else plan
 
 
 def _check_log_decay(*, g, gk) -> None:

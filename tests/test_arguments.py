@@ -86,5 +86,6 @@ def test_ops_exist_when_deltarule_is_imported():
 
 def test_distributed_takes_the_records_arguments_but_the_serving_ones():
     arguments.check_signature(distributed.linear_attention,
-                              without=("seq_lens", "state_indices", "num_accepted_tokens", "plan"), extra=("group",))
+                              without=("seq_lens", "state_indices", "num_accepted_tokens", "plan", "capture"),
+                              extra=("group",))
     assert deltarule.linear_attention is api.linear_attention

@@ -23,6 +23,7 @@ import deltarule.kernels.cpu.layout
 import deltarule.kernels.cpu.recurrent
 import deltarule.library
 import deltarule.paths
+import deltarule.replay  # noqa: F401 - the module (deltarule.replay is the function `replay`)
 import deltarule.versions
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -33,7 +34,8 @@ README = ROOT / "README.md"
                                     deltarule.contracts.fla, deltarule.contracts.slab, deltarule.conv, deltarule.distributed,
                                     deltarule.export.exporter, sys.modules["deltarule.gate"], deltarule.paths,
                                     deltarule.integrations.hf_kernels, deltarule.integrations.transformers,
-                                    deltarule.kernels.cpu.layout, deltarule.kernels.cpu.recurrent, deltarule.library, deltarule.versions],
+                                    deltarule.kernels.cpu.layout, deltarule.kernels.cpu.recurrent, deltarule.library,
+                                    sys.modules["deltarule.replay"], deltarule.versions],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)

@@ -181,6 +181,25 @@ def raw_operands(p: Problem, pk: Packing) -> RawOperands:
                        b=bs, w=bs if p.beta is not None else seq(p.write))
 
 
+def store_capture(p: Problem, x: Operands, deltas: torch.Tensor) -> None:
+    """Write the compact capture of a token-serial run into `p.capture` (docs/design.md,
+    "Compact capture"): of sequence n, the first min(C, length) transitions' decay factors
+    exp(lam), keys (`x.k`, normalised) and `deltas` [N, R, Hv, V] (R = min(C, L)); the
+    entries past a sequence's count, and the rows of padding sequences, stay as they were."""
+    R = deltas.shape[1]
+    decay, key, delta = (part[:, :R] for part in p.capture_parts())
+    counts = torch.tensor([min(s.length, p.capacity) if s.live else 0 for s in p.spans], device=p.device)
+    kept = torch.arange(R, device=p.device) < counts[:, None]               # [N, R]
+    f32 = torch.float32
+    if x.lam is None:
+        factors = torch.ones_like(decay)
+    else:
+        factors = x.lam[:, :R].to(f32).exp().reshape(decay.shape)
+    for part, new in ((decay, factors), (key, x.k[:, :R].to(f32)), (delta, deltas.to(f32))):
+        mask = kept.view(*kept.shape, *([1] * (part.dim() - 2)))
+        part.copy_(torch.where(mask, new, part))
+
+
 def initial_states(p: Problem) -> torch.Tensor:
     """[N, Hv, K, V] float32 K-major starting states (zeros for padding / no state): a
     copy, or the caller's float32 tensor itself (kernels never write their initial state)."""

@@ -22,8 +22,8 @@ SUPPORTS = dict(EVERYTHING, devices="any torch device",
 # Sequences up to this many tokens run token by token: below it the chunked
 # form's intra-chunk work costs more than it saves (crossover between T = 16
 # and 32 on the 16-head K = V = 128 layer on CPU, docs/performance.md). A
-# speculative plan (per-token states) always runs token by token: it stores
-# every token's state, which the chunked form never forms.
+# speculative plan (per-token states) or a capture always runs token by token:
+# it stores every token's state or delta, which the chunked form never forms.
 RECURRENT_MAX_LEN = 16
 
 
@@ -47,7 +47,11 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         o, S, _ = Recurrence.apply(p.scale, p.chunk_size, x.q, x.k, x.v, x.lam, x.b, x.w, x.S0)
         return _prepare.finish(p, pk, o, S)
     states = None
-    if pk.L <= RECURRENT_MAX_LEN or p.plan.speculative:
+    if p.capture is not None:
+        o, S, states, deltas = recurrent(x.q, x.k, x.v, x.lam, x.b, x.w, x.S0, p.scale,
+                                         keep_states=p.plan.speculative, keep_deltas=p.capacity)
+        _prepare.store_capture(p, x, deltas)
+    elif pk.L <= RECURRENT_MAX_LEN or p.plan.speculative:
         o, S, states = recurrent(x.q, x.k, x.v, x.lam, x.b, x.w, x.S0, p.scale, keep_states=p.plan.speculative)
     else:
         o, S = chunked(x.q, x.k, x.v, x.lam, x.b, x.w, x.S0, p.scale, p.chunk_size)

@@ -103,5 +103,8 @@ def make_inputs(case: dict, dtype: str = "float32", device: str | torch.device =
             args[name] = case[name]
     if qk_l2norm:
         args["qk_l2norm"] = True
+    if case.get("capture") is not None:             # NaN: an entry a backend should not write stays NaN
+        width = (Hv * K if "gk" in args else Hv) + Hk * K + Hv * V
+        args["capture"] = torch.full((N, case["capture"] * width), float("nan"))
     device = torch.device(device)
     return {n: (x.to(device) if isinstance(x, torch.Tensor) else x) for n, x in args.items()}

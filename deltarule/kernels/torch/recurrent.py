@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 
-def recurrent(q, k, v, lam, b, w, S, scale: float, keep_states: bool = False):
+def recurrent(q, k, v, lam, b, w, S, scale: float, keep_states: bool = False, keep_deltas: int = 0):
     """Run L steps of the generalized recurrence for all N x H heads at once.
 
     Args:
@@ -29,10 +29,13 @@ def recurrent(q, k, v, lam, b, w, S, scale: float, keep_states: bool = False):
         S: [N, H, K, V] float32 initial state (not modified); the steps run in its
             dtype (float64 for gradcheck).
         keep_states: also return the state after every step (speculative decoding).
+        keep_deltas: R >= 0; also return the deltas u of the first min(R, L) steps
+            (compact capture: S_t = D_t S_{t-1} + k_t u_t^T).
 
     Returns:
         o [N, L, H, G, V] in S's dtype, the final state [N, H, K, V], and with
-        `keep_states` the states after each step [N, L, H, K, V] (else None).
+        `keep_states` the states after each step [N, L, H, K, V] (else None);
+        with `keep_deltas` a fourth, the deltas [N, min(R, L), H, V].
     """
     q, k, v = q.to(S.dtype), k.to(S.dtype), v.to(S.dtype)
     N, L, Hk, K = k.shape
@@ -40,6 +43,7 @@ def recurrent(q, k, v, lam, b, w, S, scale: float, keep_states: bool = False):
     G = q.shape[3]
     o = q.new_empty(N, L, H, G, V)
     states = q.new_empty(N, L, H, K, V) if keep_states else None
+    deltas = q.new_empty(N, min(keep_deltas, L), H, V)
     for t in range(L):
         k_t = _heads(k[:, t], H)                                   # [N, H, K]
         q_t = _heads(q[:, t], H)                                   # [N, H, G, K]
@@ -62,6 +66,8 @@ def recurrent(q, k, v, lam, b, w, S, scale: float, keep_states: bool = False):
             u = u * (w_t if w_t.dim() == 3 else w_t[..., None])
         if b is not None:
             u = u - read[..., G, :]
+        if t < deltas.shape[1]:
+            deltas[:, t] = u
         kq = (q_t * k_t.unsqueeze(-2)).sum(-1, keepdim=True)        # [N, H, G, 1]
         o[:, t] = (read[..., :G, :] + kq * u.unsqueeze(-2)) * scale
         # S = D S + k u^T: a new tensor on the first step (S is the caller's), then in place
@@ -69,7 +75,7 @@ def recurrent(q, k, v, lam, b, w, S, scale: float, keep_states: bool = False):
         S.view(N * H, K, V).baddbmm_(k_t.reshape(N * H, K, 1), u.reshape(N * H, 1, V))
         if keep_states:
             states[:, t] = S
-    return o, S, states
+    return (o, S, states, deltas) if keep_deltas else (o, S, states)
 
 
 def _heads(x, H):
