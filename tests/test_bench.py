@@ -48,7 +48,7 @@ def test_quick_covers_the_issue_shapes():
 def test_select_cases_exact_substring_and_unknown():
     cases = bench_cases()
     assert [c["name"] for c in select_cases(cases, ["tiny-decode"], False)] == ["tiny-decode"]
-    assert {c["name"] for c in select_cases(cases, ["tiny"], False)} == {"tiny-prefill", "tiny-decode"}
+    assert {c["name"] for c in select_cases(cases, ["tiny"], False)} == {"tiny-prefill", "tiny-decode", "tiny-verify"}
     assert all(not c.get("smoke") for c in select_cases(cases, None, False))
     with pytest.raises(ValueError, match="no bench case matches"):
         select_cases(cases, ["no-such-case"], False)
@@ -75,12 +75,18 @@ def test_bench_command_prints_table_and_writes_json_and_plot(tmp_path, capsys):
     assert data["meta"]["copy_gb_per_s"] > 0
     decode = next(r for r in data["results"] if r["case"]["kind"] == "decode")
     assert f"{100 * decode['deltarule']['gb_per_s'] / data['meta']['copy_gb_per_s']:.0f}%" in text
-    assert [r["case"]["name"] for r in data["results"]] == ["tiny-prefill", "tiny-decode"]
+    assert [r["case"]["name"] for r in data["results"]] == ["tiny-prefill", "tiny-decode", "tiny-verify"]
     for r in data["results"]:
         assert r["deltarule"]["status"] == "ok"
         assert r["deltarule"]["median_ms"] > 0 and len(r["deltarule"]["samples_ms"]) >= 1
-        serving = r["case"]["kind"] == "decode"            # decode: the plan call, its kernel, the overhead
-        assert ("plan" in r["deltarule"]) == serving and ("overhead_us" in r["deltarule"]) == serving
+        serving = r["case"]["kind"] != "prefill"           # decode / verify: the plan call (and the kernel)
+        assert ("plan" in r["deltarule"]) == serving
+        assert ("overhead_us" in r["deltarule"]) == (r["case"]["kind"] == "decode")
+        assert ("compact" in r["deltarule"]) == (r["case"]["kind"] == "verify")
+    verify = data["results"][2]["deltarule"]["compact"]     # capture + replay beside the per-token rows
+    ratio, low, high = verify["versus"]["plan"]
+    assert low <= ratio <= high and verify["compact_bytes"] < verify["per_token_bytes"]
+    assert "Speculative verify with compact capture" in text and f"{ratio:.3g}x" in text
         for name, peer in r["peers"].items():
             assert peer["status"] in ("ok", "skipped"), (name, peer)
             if peer["status"] == "ok":  # a present peer must compute the same thing, timed in the same rounds

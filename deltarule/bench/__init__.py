@@ -29,7 +29,7 @@ from ..backends import cpu_backend
 from ..backends import names as backend_names
 from ..cases import DTYPES, bench_cases, make_inputs
 from ..check import STORE_TOL
-from . import report
+from . import compact, report
 from .model import MODELS
 from .peers import PEERS, Skip
 from .timing import BATCH_SECONDS, PAUSE_SECONDS, WARMUP_SECONDS, interleaved, measure, paired
@@ -253,7 +253,22 @@ def run_case(case: dict, args: argparse.Namespace, absent: dict, progress: "_Pro
         ratios = timings[name].ratios(serving)
         peers[name].update(_times(timings[name]), ratio=statistics.median(ratios),
                            ratio_range=(min(ratios), max(ratios)))
+    if "compact" in timings:
+        entry["compact"] = _compact_entry(case, copies[0], timings, list(runs))
     return {"case": case, "deltarule": entry, "peers": peers, "input_copies": len(copies)}
+
+
+def _compact_entry(case: dict, inputs: dict, timings: dict, peers: list[str]) -> dict:
+    """The compact verify step's times, and every other implementation's time over its time
+    per round (median, [min, max]: > 1 means verify + replay is faster), with the state bytes
+    a request keeps per layer (per-token rows, one row + the capture buffer)."""
+    mine = timings["compact"]
+    versus = {}
+    for name in ("plan", *peers):
+        ratios = timings[name].ratios(mine)
+        versus[name] = (statistics.median(ratios), min(ratios), max(ratios))
+    rows_bytes, compact_bytes = compact.state_bytes(case, inputs)
+    return {**_times(mine), "versus": versus, "per_token_bytes": rows_bytes, "compact_bytes": compact_bytes}
 
 
 def _input_copies(case: dict, inputs: dict, cold: bool) -> list[dict]:
@@ -303,6 +318,11 @@ def _deltarule_calls(case: dict, copies: list[dict], args) -> tuple[dict, tuple]
         raise RuntimeError(f"the call with a plan differs from the call without: {rel_error(got, reference):.1e}")
     cycle = itertools.cycle(planned)
     calls["plan"] = lambda: linear_attention(**next(cycle), backend=args.backend)
+    if case["kind"] == "verify" and "num_accepted_tokens" in inputs:
+        diff = compact.check(inputs, args.backend)
+        if diff > STORE_TOL[state.dtype] + 1e-4:
+            raise RuntimeError(f"verify + replay (compact capture) differs from the per-token rows: {diff:.1e}")
+        calls["compact"] = compact.calls(copies, args.backend)
     launches = [_launch(c, args.backend) for c in planned]
     if all(launch is not None for launch in launches):
         kernels = itertools.cycle([launch.kernel(*(c.get(n) for n in _LAUNCH_INPUTS))

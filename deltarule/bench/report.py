@@ -78,6 +78,7 @@ def table(results: list[dict], meta: dict, peers: list[str]) -> str:
         _copy_line(meta),
         "",
         *align([header, *rows]),
+        *_compact_lines(results),
         "",
         FLOP_MODEL,
         BYTES_MODEL,
@@ -85,6 +86,26 @@ def table(results: list[dict], meta: dict, peers: list[str]) -> str:
         *notes.lines(),
     ]
     return "\n".join(lines)
+
+
+def _compact_lines(results: list[dict]) -> list[str]:
+    """The verify cases' compact step (capture + replay) beside their per-token rows and peers."""
+    rows = [["verify case", "per-token rows (plan) ms", "capture + replay ms", "vs per-token", "[min-max]",
+             "peers (their time / capture + replay)", "state / request / layer: rows vs row + capture"]]
+    for r in results:
+        c = r["deltarule"].get("compact")
+        if c is None:
+            continue
+        ratio, low, high = c["versus"]["plan"]
+        peers = ", ".join(f"{n} {m:.3g}x [{lo:.3g}-{hi:.3g}]" for n, (m, lo, hi) in c["versus"].items() if n != "plan")
+        rows.append([r["case"]["name"], _ms(r["deltarule"]["plan"]["median_ms"]), _ms(c["median_ms"]),
+                     f"{ratio:.3g}x", f"[{low:.3g}-{high:.3g}]", peers or "-",
+                     f"{c['per_token_bytes'] / 2**20:.3g} MiB vs {c['compact_bytes'] / 2**20:.3g} MiB"])
+    if len(rows) == 1:
+        return []
+    return ["", "Speculative verify with compact capture (linear_attention(capture=) + deltarule.replay of the "
+            "accepted count, one row per request) against the same step with a row per token; ratio = the "
+            "other's time / capture + replay's, > 1: capture + replay is faster", *align(rows)]
 
 
 def _cache_line(meta: dict) -> str:
