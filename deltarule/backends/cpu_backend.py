@@ -129,8 +129,9 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
 
 def launch(p: Problem) -> "Launch | None":
     """The backend protocol's kept launch (`backends.launch`): one that checks per call what
-    validation reads from values and addresses; None for a call that needs gradients."""
-    return None if p.requires_grad else Launch(p, per_call_checks=True)
+    validation reads from values and addresses; None for a call that needs gradients or captures
+    (a launch writes the capture buffer it was made with: a later call must not)."""
+    return None if p.requires_grad or p.capture is not None else Launch(p, per_call_checks=True)
 
 
 class Launch:
@@ -149,7 +150,13 @@ class Launch:
     `per_call_checks`: check, on every call, what validation reads from the values and addresses
     of the tensors rather than their shapes: the sign of the log decays (in the kernel, before
     any work) and a slab's overlap with the inputs (their address ranges). For a launch kept
-    for later calls; a call `validate` has just checked passes False."""
+    for later calls; a call `validate` has just checked passes False.
+
+    A call with `p.capture` ([N, C * (Dw + Hk*K + Hv*V)] float32) makes a launch that writes
+    that buffer in place on every run (the kernel's compact capture: the first min(C, length)
+    transitions of each live sequence); such a launch is never kept (`launch`). The cpu kernel
+    is token-serial on every path, so `p.token_serial` needs nothing more; with a slab, the
+    verify plan's final and token rows are all -1 and no slab row is written."""
 
     def __init__(self, p: Problem, per_call_checks: bool):
         self.o_shape, self.o_dtype, self.zero_o = (p.B, p.T, p.Ho, p.V), p.v.dtype, not p.plan.covered()
@@ -187,7 +194,7 @@ class Launch:
             gate_sigmoid=p.beta_sigmoid, stream_state=not p.in_place and state_bytes > LAST_LEVEL_CACHE_BYTES,
             prefetch_next=state_bytes > 2 * L2_BYTES,
             check_decay=per_call_checks and p.decays and p.A_log is None and not p.accept_growth,
-            slab_bytes=slab_bytes, operand_bytes=operand_bytes)
+            slab_bytes=slab_bytes, operand_bytes=operand_bytes, capture=p.capture, capacity=p.capacity)
 
     def _outputs(self, S0):
         """(S, o): the states the kernel writes (the slab itself, or a fresh state in the call's

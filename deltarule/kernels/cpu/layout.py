@@ -87,8 +87,8 @@ def _fields(names: str, code: str) -> tuple[tuple, ...]:
 
 # csrc/recurrent.c's `problem`
 PROBLEM = Layout("problem", (
-    *_fields("q k v g gk b w a_log dt_bias s0 s o bad spans token_rows owner u_out", "P"),
-    *_fields("N T Hv K V G rq rk token_cols tokens checkpoint", "q"),
+    *_fields("q k v g gk b w a_log dt_bias s0 s o bad spans token_rows owner u_out capture", "P"),
+    *_fields("N T Hv K V G rq rk token_cols tokens checkpoint capacity", "q"),
     ("s0_stride", "q", 4), ("s_stride", "q", 4), ("slab_bytes", "q"), ("operand_bytes", "q", 9),
     *_fields("b_form w_form qk_type v_type g_type gk_type b_type w_type s0_type s_type a_type dtb_type raw_gate "
              "gate_sigmoid check_decay stream_state prefetch_next qk_l2norm", "i"),

@@ -180,16 +180,26 @@ class Recurrence:
     checkpoint: 0, or a multiple of 16: a span of more than one token also
     stores its state after every `checkpoint` tokens but its last into rows
     read + 1, read + 2, ... of S (a differentiable forward's chunk starts, S
-    being S0; `backward`'s `ck`).
+    being S0; `backward`'s `ck`);
+    capture: None | [N, C * (Dw + Hk*K + Hv*V)] float32 contiguous (Dw = Hv*K
+    with gk, else Hv; C = `capacity` >= 1), written in place: for each span n
+    and its first min(C, end - start) tokens i, row n receives at
+    i*Dw the decay factors exp(lam) the update applies (after the raw-gate
+    arm; 1 without decay; [Hv] or [Hv, K] flat), at C*Dw + i*Hk*K the key
+    after the L2 norm [Hk, K], and at C*(Dw + Hk*K) + i*Hv*V its u = w*v -
+    S'^T (b*k) [Hv, V] (ONNX Runtime's GatedDeltaNet `state_update` layout);
+    every other element is left as it is. Kept alive by the Recurrence: the
+    buffer is fixed at construction (a capture call packs a Recurrence of its
+    own, never a kept launch).
     """
 
     def __init__(self, q, k, v, g, gk, b, w, a_log, dt_bias, S0, S, o, spans, token_rows, owner, *,
                  scale: float, l2norm_eps: float | None, raw_gate: bool = False, gate_sigmoid: bool = False,
                  check_decay: bool = False, stream_state: bool = False, prefetch_next: bool = False,
-                 u_out=None, checkpoint: int = 0,
+                 u_out=None, checkpoint: int = 0, capture=None, capacity: int = 0,
                  slab_bytes: int = 0, operand_bytes: tuple[int, ...] = (0,) * 9):
         B, T, Hv, V = v.shape
-        self._keep = (spans, token_rows, owner, u_out)       # the tables the struct points to
+        self._keep = (spans, token_rows, owner, u_out, capture)    # the tables the struct points to
         self._bad = torch.zeros(1, dtype=torch.int64)
         rows, cols = (0, 0) if token_rows is None else (token_rows.data_ptr(), token_rows.shape[1])
         q_, k_, v_, g_, gk_, b_, w_, a_log_, dt_bias_, s0_, s_, o_ = operands(q, k, v, g, gk, b, w, a_log, dt_bias,
@@ -197,8 +207,9 @@ class Recurrence:
         self._buf = PROBLEM.pack(
             q=q_, k=k_, v=v_, g=g_, gk=gk_, b=b_, w=w_, a_log=a_log_, dt_bias=dt_bias_, s0=s0_, s=s_, o=o_,
             bad=self._bad.data_ptr(), spans=spans.data_ptr(), token_rows=rows, owner=_ptr(owner), u_out=_ptr(u_out),
-            N=spans.shape[0], T=T, Hv=Hv, K=k.shape[3], V=V, G=q.shape[3], rq=Hv // q.shape[2], rk=Hv // k.shape[2],
-            token_cols=cols, tokens=B * T, checkpoint=checkpoint,
+            capture=_ptr(capture), N=spans.shape[0], T=T, Hv=Hv, K=k.shape[3], V=V, G=q.shape[3],
+            rq=Hv // q.shape[2], rk=Hv // k.shape[2], token_cols=cols, tokens=B * T, checkpoint=checkpoint,
+            capacity=0 if capture is None else capacity,
             s0_stride=_NO_STRIDES if S0 is None else S0.stride(), s_stride=S.stride(), slab_bytes=slab_bytes,
             operand_bytes=operand_bytes, b_form=_form(b), w_form=_form(w), qk_type=TYPES[q.dtype],
             v_type=TYPES[v.dtype], g_type=_type(g), gk_type=_type(gk), b_type=_type(b), w_type=_type(w),

@@ -51,6 +51,14 @@
  * state after each of its tokens into a row of S (token_rows: speculative
  * decoding's verify step).
  *
+ * Capture. With a capture buffer (speculative decoding's compact form, ONNX Runtime's
+ * GatedDeltaNet `state_update` layout), the first `capacity` tokens of each sequence also
+ * write the factors of their transition S = diag(d) S_prev + k u^T: the decay factors d
+ * (key_side, before the lazy scale folds in), the key as the update uses it (after the L2
+ * norm; the first state head of a key head's group writes it) and u (per tile, or whole).
+ * Tasks write disjoint parts. A call without a capture pays three tests of a NULL pointer per
+ * token and head, none inside a loop over the state.
+ *
  * Whole rows. A single token (decode), and a sequence that stores per-token
  * states, runs token by token on whole state rows instead (see "Whole rows"
  * below): its state is read from and written to memory, where sequential
@@ -289,12 +297,19 @@ typedef struct {
     const int32_t *owner;            /* NULL, or [B*T]: the span whose output a token keeps (-1: none) */
     float *u_out;                    /* NULL, or [B, T, Hv, V] float32: every token's u = w*v - r, kept by
                                         a differentiable forward for the backward's recompute */
+    float *capture;                  /* NULL, or [N, capacity * (Dw + Hk*K + Hv*V)] float32 (Dw = Hv*K with
+                                        gk, else Hv): the compact capture (ONNX Runtime's GatedDeltaNet
+                                        `state_update` layout) of each sequence's first min(capacity,
+                                        length) tokens i, in row n: at i*Dw the decay factors exp(lam),
+                                        at capacity*Dw + i*Hk*K the key the update uses, at
+                                        capacity*(Dw + Hk*K) + i*Hv*V its u; nothing else is written */
     int64_t N, T, Hv, K, V, G, rq, rk, token_cols;
     int64_t tokens;                  /* B * T: the rows of q, k, v and the gates (check_decay scans them all) */
     int64_t checkpoint;              /* 0, or a multiple of TB: the tile path also stores the state after
                                         every `checkpoint` tokens of a span but its last into row
                                         read + 1, read + 2, ... of s (a differentiable forward's chunk
                                         starts; the final row follows them) */
+    int64_t capacity;                /* C >= 1 with capture: the transitions a capture row holds; else 0 */
     int64_t s0_stride[4], s_stride[4];   /* in elements: row, head, key, value */
     int64_t slab_bytes;              /* > 0: refuse (return 4, *bad the operand's position) an operand
                                         among q .. dt_bias whose bytes [p, p + operand_bytes[i]) meet the
@@ -319,9 +334,9 @@ static const field problem_fields[] = {
     FIELD(problem, b), FIELD(problem, w), FIELD(problem, a_log), FIELD(problem, dt_bias),
     FIELD(problem, s0), FIELD(problem, s), FIELD(problem, o), FIELD(problem, bad),
     FIELD(problem, spans), FIELD(problem, token_rows), FIELD(problem, owner), FIELD(problem, u_out),
-    FIELD(problem, N), FIELD(problem, T), FIELD(problem, Hv), FIELD(problem, K), FIELD(problem, V),
-    FIELD(problem, G), FIELD(problem, rq), FIELD(problem, rk), FIELD(problem, token_cols),
-    FIELD(problem, tokens), FIELD(problem, checkpoint), FIELD(problem, s0_stride),
+    FIELD(problem, capture), FIELD(problem, N), FIELD(problem, T), FIELD(problem, Hv), FIELD(problem, K),
+    FIELD(problem, V), FIELD(problem, G), FIELD(problem, rq), FIELD(problem, rk), FIELD(problem, token_cols),
+    FIELD(problem, tokens), FIELD(problem, checkpoint), FIELD(problem, capacity), FIELD(problem, s0_stride),
     FIELD(problem, s_stride), FIELD(problem, slab_bytes), FIELD(problem, operand_bytes),
     FIELD(problem, b_form), FIELD(problem, w_form), FIELD(problem, qk_type), FIELD(problem, v_type),
     FIELD(problem, g_type), FIELD(problem, gk_type), FIELD(problem, b_type), FIELD(problem, w_type),
@@ -553,8 +568,32 @@ static inline void update(vf *S, const float *kc, const float *cd, int lazy, con
         }
 }
 
-/* Stages the block's q and k rows and forms its key-side vectors; advances c. */
-static void key_side(const problem *P, const scratch *W, int64_t bt0, int64_t h, int64_t len)
+/* Compact capture (P->capture): the parts of a transition, in the order a capture row holds them */
+enum { CAPTURED_DECAY, CAPTURED_KEY, CAPTURED_U };
+
+/* Token i of a sequence is captured: a capture is asked and i < its capacity. What the normal path
+ * (capture NULL) pays: this test, three times per token and head. */
+INLINE int capturing(const problem *P, int64_t i)
+{
+    return P->capture != NULL && i < P->capacity;
+}
+
+/* Where part `part` of transition i lies in sequence n's capture row: the decay factors [Dw] (Dw =
+ * Hv*K with gk, else Hv), the key [Hk, K] or u [Hv, V] of every head; a head adds its offset. */
+static float *captured(const problem *P, int64_t n, int64_t i, int part)
+{
+    const int64_t C = P->capacity, Hv = P->Hv, K = P->K;
+    const int64_t width[3] = {P->gk ? Hv * K : Hv, Hv / P->rk * K, Hv * P->V};
+    float *at = P->capture + n * C * (width[0] + width[1] + width[2]);
+    for (int p = 0; p < part; p++)
+        at += C * width[p];
+    return at + i * width[part];
+}
+
+/* Stages the block's q and k rows and forms its key-side vectors; advances c. The block is tokens
+ * t0 .. t0 + len of sequence n (bt0 the first's index in [B*T]); a captured token's decay factors
+ * and (one state head per key head) its key go to the capture. */
+static void key_side(const problem *P, const scratch *W, int64_t n, int64_t t0, int64_t bt0, int64_t h, int64_t len)
 {
     const int64_t K = P->K, G = P->G, Hv = P->Hv;
     const int64_t hq = h / P->rq, hk = h / P->rk, Hq = Hv / P->rq, Hk = Hv / P->rk;
@@ -568,6 +607,8 @@ static void key_side(const problem *P, const scratch *W, int64_t bt0, int64_t h,
                 for (int64_t i = 0; i < K; i++)
                     x[i] *= f;
             }
+        if (capturing(P, t0 + s) && h % P->rk == 0)     /* the key head's first state head writes it */
+            memcpy(captured(P, n, t0 + s, CAPTURED_KEY) + hk * K, W->kb + s * K, sizeof(float) * K);
     }
     float *c = W->c;
     for (int64_t s = 0; s < len; s++) {
@@ -584,10 +625,14 @@ static void key_side(const problem *P, const scratch *W, int64_t bt0, int64_t h,
                 raw_decay_n(cd, get1(P->a_log, h, P->a_type), W->dtb, K);
             }
             exp_shifted(cd, cd, gs, K);
+            if (capturing(P, t0 + s))                   /* the token's own decay, before the lazy scale */
+                memcpy(captured(P, n, t0 + s, CAPTURED_DECAY) + h * K, cd, sizeof(float) * K);
             for (int64_t i = 0; i < K; i++)
                 cd[i] *= c[i];
         } else {
             const float ds = P->g ? expf(gs) : 1.0f;
+            if (capturing(P, t0 + s))
+                captured(P, n, t0 + s, CAPTURED_DECAY)[h] = ds;
             for (int64_t i = 0; i < K; i++)
                 cd[i] = c[i] * ds;
         }
@@ -759,6 +804,9 @@ __attribute__((noinline)) static void run_block(const problem *P, const scratch 
         if (P->u_out)
             memcpy(P->u_out + ((bt0 + s) * P->Hv + h) * P->V + j0, u,
                    sizeof(float) * (P->V - j0 < TILE ? P->V - j0 : TILE));
+        if (capturing(P, t0 + s))
+            memcpy(captured(P, n, t0 + s, CAPTURED_U) + h * P->V + j0, u,
+                   sizeof(float) * (P->V - j0 < TILE ? P->V - j0 : TILE));
         write_outputs(P, W, S, n, bt0 + s, s, h, j0, p0, u);
         const float *kc = W->kc + s * K, *cd = W->cd + s * K;
         if (s + 1 < len && W->lazy[s])
@@ -873,9 +921,9 @@ typedef struct {
     int nt1, nt2;
 } targets;
 
-/* One token (token-head th at bt) from the state at src (rows ld0 elements apart, in_type) to D
- * (out_type); the update prefetches A's rows. Each element is read before it is written. */
-INLINE void step_as(const problem *P, const scratch *W, int64_t n, int64_t bt, int64_t h, const char *src,
+/* One token (token t of sequence n, at bt in [B*T]) from the state at src (rows ld0 elements apart,
+ * in_type) to D (out_type); the update prefetches A's rows. Each element is read before it is written. */
+INLINE void step_as(const problem *P, const scratch *W, int64_t n, int64_t t, int64_t bt, int64_t h, const char *src,
                     int64_t ld0, const targets *D, const ahead *A, int in_type, int out_type)
 {
     const int64_t K = P->K, V = P->V, G = P->G, ld = P->s_stride[2], th = bt * P->Hv + h;
@@ -886,7 +934,7 @@ INLINE void step_as(const problem *P, const scratch *W, int64_t n, int64_t bt, i
     const float *cd = W->cd, *kb = W->kb;
     for (int64_t i = 0; i < K; i++)
         W->c[i] = 1.0f;              /* the state is explicit between tokens: no lazy scale */
-    key_side(P, W, bt, h, 1);
+    key_side(P, W, n, t, bt, h, 1);
     read_rows(src, ld0, in_type, W->eb, W->eq, K, V, r, p);
     for (int64_t g = 1; g < G; g++)
         read_rows(src, ld0, in_type, NULL, W->eq + g * K, K, V, NULL, p + g * V);
@@ -895,6 +943,8 @@ INLINE void step_as(const problem *P, const scratch *W, int64_t n, int64_t bt, i
         u[j] -= r[j];
     if (P->u_out)
         memcpy(P->u_out + th * V, u, sizeof(float) * V);
+    if (capturing(P, t))
+        memcpy(captured(P, n, t, CAPTURED_U) + h * V, u, sizeof(float) * V);
     if (P->owner == NULL || P->owner[bt] == n)
         for (int64_t g = 0; g < G; g++) {
             const float kq = W->kq[g];
@@ -951,9 +1001,9 @@ INLINE void rows_as(const problem *P, const scratch *W, int64_t n, int64_t h, co
         const int64_t size = size_of(P->s0_type);
         const ahead A = {last ? next : NULL, st0[2] * size, V * size};
         if (t == 0)
-            step_as(P, W, n, bt, h, src, ld0, &D, &A, in_type, out_type);
+            step_as(P, W, n, t, bt, h, src, ld0, &D, &A, in_type, out_type);
         else
-            step_as(P, W, n, bt + t, h, (const char *)state, V, &D, &A, F32, out_type);
+            step_as(P, W, n, t, bt + t, h, (const char *)state, V, &D, &A, F32, out_type);
     }
 }
 
@@ -1010,7 +1060,7 @@ static void run_task(const problem *P, const scratch *W, int64_t n, int64_t h, c
         W->c[i] = 1.0f;
     for (int64_t t = start; t < end; t += TB) {
         const int64_t len = end - t < TB ? end - t : TB, done = t + len - start;
-        key_side(P, W, row * T + t, h, len);
+        key_side(P, W, n, t - start, row * T + t, h, len);
         for (int64_t x = 0; x < tiles; x++)
             run_block(P, W, (vf *)(W->tiles + x * K * TILE), n, row * T + t, t - start, h, x * TILE, len);
         if (P->checkpoint && done % P->checkpoint == 0 && t + len < end)
