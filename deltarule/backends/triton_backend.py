@@ -11,6 +11,11 @@ layout, strided) and, with `state_indices`, update the slab rows in place
 (a negative index: the row is never touched, the output is zero). The
 kernels take the operands as given and fuse the preprocessing: the raw-gate
 arm, `beta_sigmoid` and `qk_l2norm`.
+Compact transition capture (`capture`): the call runs the fused recurrence at
+any length (the chunked form never forms the per-token deltas), which writes
+each live sequence's first C transitions into its capture row as it goes. With
+a slab it is a verify: the plan the backend gets stores nothing, so the rows
+are only read.
 Gradients: a call whose inputs require grad runs the preprocessing in torch
 ops (`_grad.differentiable_operands`), then `_Recurrence`, whose forward keeps
 the state every 64 tokens and whose backward is the token-serial, V-tiled
@@ -38,8 +43,8 @@ SUPPORTS = dict(
     EVERYTHING,
     devices="CUDA tensors (CPU under TRITON_INTERPRET=1)",
     note=(f"prefill longer than {RECURRENT_MAX_LEN} tokens runs chunked (64-token chunks, "
-          "16-token sub-chunks for per-key decay); speculative plans (per-token states) run the "
-          "recurrence at any length; the slab is updated in place"),
+          "16-token sub-chunks for per-key decay); speculative plans (per-token states) and "
+          "captures run the recurrence at any length; the slab is updated in place"),
     gradients=("token-serial V-tiled Triton reverse kernel (kernels/triton/backward.py, checkpoints "
                "every 64 tokens), every non-slab call; not yet the chunked (WY) backward"),
 )
@@ -80,13 +85,16 @@ class Layout:
         sequence the kernels run, in their flat token axis;
     rows: the slab row each of those sequences reads (negative: padding), as a device
         tensor, None without a slab;
-    token_rows: their per-token store rows [n, L] (speculative plans), else None.
+    token_rows: their per-token store rows [n, L] (speculative plans), else None;
+    sequences: the plan's index of each of `spans` (its capture row), None when the
+        kernels' sequence n is the plan's sequence n.
     """
 
     packing: _prepare.Packing
     spans: list | None
     rows: torch.Tensor | None
     token_rows: torch.Tensor | None
+    sequences: list | None
 
 
 def flat_spans(plan) -> list[tuple[int, int, int]] | None:
@@ -122,7 +130,7 @@ def token_layout(p: Problem, packed: bool = False) -> Layout:
         tok = None
         if plan.speculative:
             tok = torch.from_numpy(plan.token_rows[run]).to(device).reshape(len(run), plan.token_rows.shape[1])
-        return Layout(pk, spans, rows, tok)
+        return Layout(pk, spans, rows, tok, run if flat is not None else None)
     return plan.cached(("triton", device, packed), build)
 
 
@@ -139,9 +147,10 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     flags = dict(A_log=p.A_log, dt_bias=p.dt_bias, beta_sigmoid=p.beta_sigmoid,
                  l2norm_eps=p.l2norm_eps if p.qk_l2norm else None,
                  state_indices=lay.rows, state_layout=p.state_layout, spans=lay.spans)
-    # per-token states (speculative plans) are only formed by the recurrence, whatever the length
-    if p.max_len <= RECURRENT_MAX_LEN or p.plan.speculative:
-        o, S = recurrent(*args, token_rows=lay.token_rows, **flags)
+    # per-token states (speculative plans) and captured transitions are only formed by the
+    # recurrence, whatever the length
+    if p.max_len <= RECURRENT_MAX_LEN or p.token_serial:
+        o, S = recurrent(*args, token_rows=lay.token_rows, capture=p.capture, capture_rows=lay.sequences, **flags)
     else:
         from ..kernels.triton.chunked import chunked
 

@@ -11,6 +11,15 @@ state once for both the retrieval and the output (docs/algorithm.md, "Decode"):
 and stores the state once at the end. Columns of the state are independent,
 so value tiles need no communication.
 
+Compact transition capture (`capture`): the factors of each sequence's first
+C transitions, S_t = diag(d) S_{t-1} + k u^T, are written as they are formed
+into the sequence's capture row (struct of arrays, ONNX Runtime's
+`state_update` layout: C decays, then C keys, then C deltas). Each value tile
+writes its columns of u; the decay and the key are the same in every value
+tile (and the key in every state head of a key head's group), so only value
+tile 0 writes the decay, and only its first state head of each group the key:
+each element has one writer.
+
 The state is read from, and written to, wherever it lies: any strides (a
 K-major or V-major state, float32, bfloat16 or float16 storage; float32 in
 registers), optionally at slab rows `state_indices[n]` (a negative index is
@@ -42,11 +51,11 @@ from .common import (gate_flags, l2norm_vector, load_state_tile, new_state, raw_
 
 @triton.jit
 def _recurrent_kernel(
-    q, k, v, g, gk, A, dtb, b, w, S0, S, o, idx, tok, seq,
-    scale, eps, L, H, Hq, Hk, K, V, W,
+    q, k, v, g, gk, A, dtb, b, w, S0, S, o, idx, tok, seq, cap,
+    scale, eps, L, H, Hq, Hk, K, V, W, C, c_n, c_key, c_delta,
     s0_n, s0_h, s0_k, s0_v, s_n, s_h, s_k, s_v,
     G: tl.constexpr, VARLEN: tl.constexpr, HAS_INIT: tl.constexpr, HAS_INDEX: tl.constexpr,
-    TOKEN_ROWS: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr, HAS_CAPTURE: tl.constexpr,
     HAS_G: tl.constexpr, HAS_GK: tl.constexpr, RAW: tl.constexpr,
     HAS_ERASE: tl.constexpr, ERASE_PER_KEY: tl.constexpr,
     HAS_WRITE: tl.constexpr, WRITE_PER_VALUE: tl.constexpr,
@@ -68,7 +77,11 @@ def _recurrent_kernel(
     token t is stored at row tok[n * W + t] (negative: not stored). S may be
     S0 itself (in place: each program reads its own tile before it stores
     it). VARLEN: sequence n is the span seq[n, 0] .. + seq[n, 1] of the flat
-    token axis (no packing); else tokens n * L .. + L.
+    token axis (no packing), its capture row seq[n, 2]; else tokens n * L .. + L,
+    capture row n. HAS_CAPTURE: the first min(C, length) transitions of a live
+    sequence go to its row of cap (row stride c_n, float32): decays exp(lam)
+    [C, Dw] at 0 (Dw = H * K with HAS_GK, else H), keys [C, Hk, K] at c_key,
+    deltas u [C, H, V] at c_delta; nothing else of cap is written.
     """
     i_v = tl.program_id(0).to(tl.int64)
     i_nh = tl.program_id(1).to(tl.int64)
@@ -101,6 +114,27 @@ def _recurrent_kernel(
     else:
         bos = i_n * L
         n_len = bos * 0 + L
+    if HAS_CAPTURE:
+        i_v0 = o_k * 0 + i_v                    # masks are blocks: the scalar tests broadcast
+        if VARLEN:
+            i_c = tl.load(seq + 3 * i_n + 2).to(tl.int64)
+        else:
+            i_c = i_n
+        if HAS_GK:
+            DW = H * K
+            o_cd = i_h * K + o_k
+            m_cd = m_k & (i_v0 == 0)
+        else:                                   # one scalar decay per head: lane 0 writes it
+            DW = H
+            o_cd = i_h + o_k * 0
+            m_cd = (o_k == 0) & (i_v0 == 0)
+        p_cd = cap + i_c * c_n + o_cd
+        p_ck = cap + i_c * c_n + c_key + i_hk * K + o_k
+        p_cu = cap + i_c * c_n + c_delta + i_h * V + o_v
+        # the key is the same for every state head of its group: the group's first one writes it
+        m_ck = m_k & (i_v0 == 0) & ((o_k * 0 + i_h) % (H // Hk) == 0)
+        # padding sequences (negative slab row) capture nothing; only the first C tokens
+        n_cap = tl.where(i_row >= 0, tl.minimum(n_len, C), 0)
     for t in range(n_len):
         i_t = bos + t                           # token row in the flat token axis
         o_th = i_t * H + i_h                    # (token, state head) row of v, o and the gates
@@ -141,6 +175,11 @@ def _recurrent_kernel(
             b_o = scale * (tl.sum((b_d * b_q)[:, None] * b_s, axis=0) + tl.sum(b_k * b_q) * b_u)
             tl.store(p_o, b_o, mask=m_v)
         b_s = b_d[:, None] * b_s + b_k[:, None] * b_u[None, :]
+        if HAS_CAPTURE:
+            if t < n_cap:
+                tl.store(p_cd + t * DW, b_d, mask=m_cd)
+                tl.store(p_ck + t * (Hk * K), b_k, mask=m_ck)
+                tl.store(p_cu + t * (H * V), b_u, mask=m_v)
         if TOKEN_ROWS:
             i_w = tl.load(tok + i_n * W + t).to(tl.int64)
             m_w = m_row & ((o_k * 0 + i_w) >= 0)[:, None]
@@ -152,7 +191,8 @@ def _recurrent_kernel(
 
 def recurrent(q, k, v, g, gk, b, w, S0, scale: float, S=None, *, A_log=None, dt_bias=None,
               beta_sigmoid: bool = False, l2norm_eps: float | None = None,
-              state_indices=None, token_rows=None, state_layout: str = "kv", spans=None):
+              state_indices=None, token_rows=None, state_layout: str = "kv", spans=None,
+              capture=None, capture_rows=None):
     """Run the fused recurrence; returns (o [N, L, H, G, V] float32, S).
 
     q [N, L, Hq, G, K], k [N, L, Hk, K], v [N, L, H, V]; g None or
@@ -176,6 +216,14 @@ def recurrent(q, k, v, g, gk, b, w, S0, scale: float, S=None, *, A_log=None, dt_
     state. `spans` (varlen, no packing): a host list of disjoint
     (first token, length) in the flat [N * L] token axis, one per sequence;
     o [N, L, H, G, V] then holds each span's outputs in place (zeros elsewhere).
+    `capture`: None, or a float32 contiguous [R, C * (Dw + Hk * K + H * V)]
+    buffer (Dw = H * K with gk, else H; C >= 1 from its width) written in
+    place: row r receives the first min(C, length) transitions of its
+    sequence as (decay exp(lam) [C, Dw], key after the L2 norm [C, Hk, K],
+    delta u = w v - S'^T (b k) [C, H, V]), struct of arrays; entries past a
+    sequence's length, and padding sequences' rows, are not written.
+    `capture_rows` (with `spans`): a host list, the capture row of each span's
+    sequence (default: sequence n writes row n).
     """
     N, L, H, V = v.shape
     Hq, G, K = q.shape[2], q.shape[3], q.shape[4]
@@ -185,7 +233,9 @@ def recurrent(q, k, v, g, gk, b, w, S0, scale: float, S=None, *, A_log=None, dt_
     n_seq, seq, covered = N, None, True
     if spans is not None:
         n_seq = len(spans)
-        seq = torch.tensor([(bos, n, 0) for bos, n in spans], dtype=torch.int64).reshape(-1, 3).to(v.device)
+        rows = range(n_seq) if capture_rows is None else capture_rows
+        seq = torch.tensor([(bos, n, r) for (bos, n), r in zip(spans, rows)],
+                           dtype=torch.int64).reshape(-1, 3).to(v.device)
         covered = sum(n for _, n in spans) == N * L
     if S is None:
         S = new_state(S0, state_indices, n_seq, H, K, V, state_layout, v.device)
@@ -201,12 +251,23 @@ def recurrent(q, k, v, g, gk, b, w, S0, scale: float, S=None, *, A_log=None, dt_
     BV = min(64, triton.next_power_of_2(V))
     grid = (triton.cdiv(V, BV), n_seq * H)
     _recurrent_kernel[grid](
-        q, k, v, g, gk, A_log, dt_bias, b, w, S0, S, o, idx, tok, seq,
+        q, k, v, g, gk, A_log, dt_bias, b, w, S0, S, o, idx, tok, seq, capture,
         float(scale), float(l2norm_eps or 0.0), L, H, Hq, Hk, K, V, 0 if tok is None else tok.shape[1],
+        *capture_geometry(capture, H * K if gk is not None else H, Hk * K, H * V),
         *state_strides(S0, state_layout), *state_strides(S, state_layout),
         G=G, VARLEN=seq is not None, HAS_INIT=S0 is not None, HAS_INDEX=idx is not None,
-        TOKEN_ROWS=tok is not None,
+        TOKEN_ROWS=tok is not None, HAS_CAPTURE=capture is not None,
         **gate_flags(g, gk, b, w, A_log), SIGMOID=beta_sigmoid, L2NORM=l2norm_eps is not None,
         BK=BK, BV=BV,
     )
     return o, S
+
+
+def capture_geometry(capture, Dw: int, Dk: int, Du: int) -> tuple[int, int, int, int]:
+    """(C, row stride, key offset C * Dw, delta offset C * (Dw + Dk)) in elements of a capture
+    buffer [R, C * (Dw + Dk + Du)]: Dw decays, Dk = Hk * K key and Du = H * V delta elements per
+    transition; zeros without one (the kernel then reads none of them)."""
+    if capture is None:
+        return (0, 0, 0, 0)
+    C = capture.shape[1] // (Dw + Dk + Du)
+    return (C, capture.stride(0), C * Dw, C * (Dw + Dk))
