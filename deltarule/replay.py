@@ -62,19 +62,37 @@ def replay(state, capture, count, *, key_heads, per_key_decay=False, state_indic
     live = [n for n, c in enumerate(counts) if c > 0 and rows[n] >= 0]
     if not live:
         return state
-    decay, key, delta = (part[live] for part in parts)
-    Hv = state.shape[1]
     picked = torch.tensor([rows[n] for n in live], device=state.device)
-    S = state.index_select(0, picked).to(torch.float32)                     # every read first
-    S = layout(S).contiguous()
-    key = key.repeat_interleave(Hv // key.shape[2], dim=2)                 # [n, C, Hv, K]
-    decay = decay.view(len(live), decay.shape[1], Hv, -1)                  # [n, C, Hv, 1 | K]
     steps = torch.tensor([counts[n] for n in live], device=state.device)
-    for i in range(max(counts[n] for n in live)):
-        moved = decay[:, i, :, :, None] * S + key[:, i, :, :, None] * delta[:, i, :, None, :]
-        S = torch.where((steps > i).view(-1, 1, 1, 1), moved, S)
+    S = layout(state[picked].to(torch.float32)).contiguous()            # every read first
+    if len(live) < len(rows):
+        parts = tuple(part[picked.new_tensor(live)] for part in parts)
+    S = _advance(S, *parts, steps)
     state.index_copy_(0, picked, layout(S).to(state.dtype))
     return state
+
+
+def _advance(S, decay, key, delta, steps):
+    """S [n, Hv, K, V] float32 after `steps[i]` transitions of row i, in closed form: the decays
+    are diagonal, so they commute, and n rank-1 updates are one product,
+
+        S_n = diag(prod_t d_t) S + sum_t diag(prod_{s > t} d_s) k_t u_t^T,
+
+    one pass over the state (a scale and a batched matrix product) instead of one per
+    transition. Steps past a row's count are identities (d = 1, k = 0)."""
+    n, C = decay.shape[:2]
+    Hv, K, V = S.shape[1:]
+    kept = (torch.arange(C, device=S.device) < steps[:, None]).view(n, C, 1, 1)
+    d = torch.where(kept, decay.view(n, C, Hv, -1), 1.0)                 # [n, C, Hv, 1 | K]
+    k = torch.where(kept, key.repeat_interleave(Hv // key.shape[2], dim=2), 0.0)   # [n, C, Hv, K]
+    # after[t] = prod_{s > t} d_s: a reversed exclusive cumulative product (no division by a decay)
+    after = torch.ones_like(d)
+    after[:, :-1] = d.flip(1).cumprod(1).flip(1)[:, 1:]
+    total = after[:, 0] * d[:, 0]                                         # [n, Hv, 1 | K]
+    weighted = (after * k).permute(0, 2, 3, 1).reshape(n * Hv, K, C)    # [n*Hv, K, C]
+    u = delta.permute(0, 2, 1, 3).reshape(n * Hv, C, V)
+    S = S * total[..., None]
+    return S.view(n * Hv, K, V).baddbmm_(weighted, u).view(n, Hv, K, V)
 
 
 def _validate(state, capture, count, key_heads, per_key_decay, state_indices, state_layout):
