@@ -326,10 +326,14 @@ def test_ort_linear_attention_float16_matches_ort(request, past):
     assert_close(got, la_peer_of(x), F16_TOL)
 
 
-def test_ort_linear_attention_state_window_is_not_supported():
+@pytest.mark.parametrize("window", [-1, 9, True, 2.0], ids=["negative", "above-8", "bool", "float"])
+def test_ort_linear_attention_state_window_outside_0_to_8_is_refused(window):
+    """state_window is an int in [0, 8] (the schema's range; ORT's shape inference refuses the others).
+    Windows themselves: tests/test_contracts_ort_window.py."""
     q = np.zeros((1, 2, 4), np.float32)
-    with pytest.raises(ContractError, match="state_window"):
-        dort.linear_attention(q, q, q, q_num_heads=1, kv_num_heads=1, update_rule="linear", state_window=2)
+    with pytest.raises(ContractError) as info:
+        dort.linear_attention(q, q, q, q_num_heads=1, kv_num_heads=1, update_rule="linear", state_window=window)
+    assert info.value.argument == "state_window"
 
 
 # ---------------------------------------------------------------------------
@@ -450,7 +454,17 @@ def _gdn_ok():
 
 
 @pytest.mark.parametrize("case, change, name", [
-    ("state-update-capacity", dict(state_update_capacity=2), "state_update_capacity"),
+    ("state-update-capacity-9", dict(state_update_capacity=9), "state_update_capacity"),
+    ("state-update-capacity-negative", dict(state_update_capacity=-1), "state_update_capacity"),
+    ("capacity-without-capture_count", dict(state_update_capacity=2), "capture_count"),
+    ("capture_count-without-capacity", dict(capture_count=np.zeros(1, np.int32)), "capture_count"),
+    ("capture_count-int64", dict(state_update_capacity=2, capture_count=np.zeros(1, np.int64)), "capture_count"),
+    ("capture_count-per-token", dict(state_update_capacity=2, capture_count=np.zeros(6, np.int32)),
+     "capture_count"),
+    ("state_update_active-rank-0", dict(state_update_capacity=2, capture_count=np.zeros(1, np.int32),
+                                        state_update_active=np.array(1, np.int32)), "state_update_active"),
+    ("state_update_active-two", dict(state_update_active=np.ones(2, np.int32)), "state_update_active"),
+    ("state_update_active-int64", dict(state_update_active=np.ones(1, np.int64)), "state_update_active"),
     ("query-rank-2", dict(query=np.zeros((6, 8), np.float32)), "query"),
     ("key-heads", dict(key=np.zeros((6, 1, 4), np.float32)), "key"),
     ("value-heads-not-multiple", dict(value=np.zeros((6, 3, 4), np.float32)), "value"),

@@ -10,7 +10,8 @@ linear-attention nodes with deltarule.
 - `run(model, feeds)` / `Session(model)` (runner.py): evaluate a model in ONNX
   Runtime with every linear-attention node (`LinearAttention`-27,
   `com.microsoft.GatedDeltaNet`, `com.microsoft.LinearAttention`,
-  `ai.deltarule::LinearAttention`) computed by deltarule instead. The feeds are
+  `ai.deltarule::LinearAttention`, and the `com.microsoft.CausalConvWithState`
+  nodes ONNX Runtime's CPU kernel refuses) computed by deltarule instead. The feeds are
   checked against the graph's declared inputs first, as ONNX Runtime checks them
   (`feeds.Inputs`: names, element type, rank, static dimensions; `ContractError`
   naming the input).
@@ -39,10 +40,18 @@ from .ops import (
     make_model,
     make_node,
 )
-from .runner import LINEAR_ATTENTION_OPS, Session, is_linear_attention_node, run
+from .runner import (
+    LINEAR_ATTENTION_OPS,
+    PARTIAL_OPS,
+    Session,
+    computed_by_deltarule,
+    is_linear_attention_node,
+    run,
+)
 
 __all__ = [
     "DOMAIN", "OP_TYPE", "VERSION", "INPUTS", "OUTPUTS", "GATE_FORMS", "Config",
     "make_function", "make_node", "make_model", "attach_functions", "expand", "is_deltarule_node",
-    "linear_attention", "run", "Session", "LINEAR_ATTENTION_OPS", "is_linear_attention_node",
+    "linear_attention", "run", "Session", "LINEAR_ATTENTION_OPS", "PARTIAL_OPS", "is_linear_attention_node",
+    "computed_by_deltarule",
 ]

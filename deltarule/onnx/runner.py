@@ -15,6 +15,12 @@ other never). Values cross the cut as NumPy arrays. So a model with L
 sequential attention layers costs L + 1 ORT sessions plus L deltarule calls
 per run, whatever happens around the attention nodes.
 
+`com.microsoft.CausalConvWithState` nodes that ONNX Runtime's CPU kernel
+refuses (`PARTIAL_OPS`: ndim > 1, `state_window`, the extended channel / state
+attributes, a `state_update` output) are cut out and computed by deltarule the
+same way; the others stay in ORT (its CPU kernel runs them, and a cut per
+layer would cost a session each).
+
 Sub-model sessions are built lazily on the first run, typed from the actual
 arrays crossing the cut (dtype and rank; every dimension dynamic), and cached
 per (dtype, rank) signature. Initializers a sub-model reads are copied into
@@ -43,15 +49,26 @@ from ..errors import ContractError
 from . import feeds as _feeds
 from . import ops as _ops
 
-__all__ = ["LINEAR_ATTENTION_OPS", "Session", "run", "is_linear_attention_node"]
+__all__ = ["LINEAR_ATTENTION_OPS", "PARTIAL_OPS", "Session", "run", "is_linear_attention_node",
+           "computed_by_deltarule"]
 
-# (domain, op_type) -> (deltarule implementation, number of outputs it produces)
+# (domain, op_type) -> (deltarule implementation, the outputs the op defines)
 LINEAR_ATTENTION_OPS = {
     ("", "LinearAttention"): (_onnx_contract.linear_attention, 2),
-    ("com.microsoft", "GatedDeltaNet"): (_ort_contract.gated_delta_net, 2),
+    # output, final_state, state_update (the adapter returns the third when state_update_capacity > 0)
+    ("com.microsoft", "GatedDeltaNet"): (_ort_contract.gated_delta_net, 3),
     ("com.microsoft", "LinearAttention"): (_ort_contract.linear_attention, 2),
     (_ops.DOMAIN, _ops.OP_TYPE): (_ops.linear_attention, 2),
 }
+# ops ONNX Runtime's CPU kernel runs in part: deltarule computes the nodes it refuses
+# (`_ort_cpu_refuses`), ORT the others. (domain, op_type) -> (implementation, outputs)
+PARTIAL_OPS = {
+    ("com.microsoft", "CausalConvWithState"): (_ort_contract.causal_conv_with_state, 3),
+}
+_CONV = ("com.microsoft", "CausalConvWithState")
+# CausalConvWithState's attributes that onnxruntime 1.32's CPU kernel takes only at these values
+_CONV_CPU_ONLY = dict(ndim=1, state_window=0, state_update_capacity=0, state_length=0, state_channels_last=-1,
+                      input_channel_offset=0, input_channels=0)
 
 
 def _node_contract(fn) -> tuple[list[str], list[str], list[str]]:
@@ -64,7 +81,7 @@ def _node_contract(fn) -> tuple[list[str], list[str], list[str]]:
 
 
 # taken at import, before anything (a test's spy) wraps the kernels
-_CONTRACTS = {op: _node_contract(fn) for op, (fn, _) in LINEAR_ATTENTION_OPS.items()}
+_CONTRACTS = {op: _node_contract(fn) for op, (fn, _) in {**LINEAR_ATTENTION_OPS, **PARTIAL_OPS}.items()}
 # the default domain's LinearAttention exists from this opset on
 LINEAR_ATTENTION_OPSET = 27
 
@@ -75,8 +92,23 @@ def _key(node: onnx.NodeProto):
 
 
 def is_linear_attention_node(node: onnx.NodeProto) -> bool:
-    """Whether `run` computes this node with deltarule."""
+    """Whether this node is one of the linear-attention ops (`LINEAR_ATTENTION_OPS`)."""
     return _key(node) in LINEAR_ATTENTION_OPS
+
+
+def computed_by_deltarule(node: onnx.NodeProto) -> bool:
+    """Whether `run` computes this node with deltarule: a linear-attention node, or a
+    `PARTIAL_OPS` node that ONNX Runtime's CPU kernel refuses."""
+    return is_linear_attention_node(node) or (_key(node) in PARTIAL_OPS and _ort_cpu_refuses(node))
+
+
+def _ort_cpu_refuses(node: onnx.NodeProto) -> bool:
+    """A CausalConvWithState node onnxruntime 1.32's CPU kernel does not run (it refuses
+    ndim > 1, state_window > 0, the extended attributes and a third output: CUDA only)."""
+    attrs = _ops.attribute_values(node)
+    if any(attrs.get(name, default) != default for name, default in _CONV_CPU_ONLY.items()):
+        return True
+    return len(node.output) > 2 and bool(node.output[2])
 
 
 def _subgraph_refs(graph: onnx.GraphProto) -> set[str]:
@@ -183,7 +215,8 @@ class _Attention:
     def __init__(self, node, opset: int | None):
         self.node = node
         key = _key(node)
-        self.fn, n_out = LINEAR_ATTENTION_OPS[key]
+        self.key = key
+        self.fn, n_out = LINEAR_ATTENTION_OPS[key] if key in LINEAR_ATTENTION_OPS else PARTIAL_OPS[key]
         where = f"node {node.name or node.op_type!r}"
         op = f"{node.domain or 'ai.onnx'}::{node.op_type}"
         if key == ("", "LinearAttention") and (opset is None or opset < LINEAR_ATTENTION_OPSET):
@@ -191,8 +224,8 @@ class _Attention:
                                 "the op's first version", "no ai.onnx import" if opset is None else opset)
         extra = [o for o in node.output[n_out:] if o]
         if extra:
-            raise ContractError(f"{where} outputs",
-                                f"at most {n_out} outputs (deltarule computes output and state)", list(node.output))
+            raise ContractError(f"{where} outputs", f"at most {n_out} outputs ({op} defines {n_out})",
+                                list(node.output))
         inputs, attributes, required = _CONTRACTS[key]
         if len(node.input) > len(inputs):
             raise ContractError(f"{where} inputs", f"at most {len(inputs)} inputs of {op} {tuple(inputs)}",
@@ -207,14 +240,23 @@ class _Attention:
                 raise ContractError(name, f"a required attribute of {op}", f"absent on {where}")
         self.inputs = list(node.input)
         self.outputs = list(node.output)
+        if key == _CONV and len(self.outputs) > 2 and self.outputs[2] \
+                and self.attrs.get("state_update_capacity", 0) == 0:
+            # the schema gives state_update a shape only for a positive capacity (ORT's CPU
+            # kernel refuses the output; GatedDeltaNet's CPU kernel returns [N, 0] instead)
+            raise ContractError("state_update_capacity", f"> 0 for a node with the state_update output ({where})",
+                                0)
 
     def __call__(self, env):
         args = [env[n] if n else None for n in self.inputs]
         try:
-            results = self.fn(*args, **self.attrs)
+            results = tuple(self.fn(*args, **self.attrs))
         except (ContractError, TypeError) as exc:
             exc.add_note(f"in {self.node.domain or 'ai.onnx'}::{self.node.op_type} node {self.node.name!r}")
             raise
+        if len(results) == 2 and len(self.outputs) > 2 and self.outputs[2]:
+            # GatedDeltaNet without capture (state_update_capacity 0): ORT returns [N, 0]
+            results += (np.zeros((results[1].shape[0], 0), np.float32),)
         for name, x in zip(self.outputs, results):
             if name:
                 env[name] = x
@@ -257,7 +299,7 @@ class Session:
         nodes = list(graph.node)
         reads = [_node_reads(n) for n in nodes]
         order, producer = _toposort(nodes, reads, graph_values)
-        is_la = [is_linear_attention_node(n) for n in nodes]
+        is_la = [computed_by_deltarule(n) for n in nodes]
         stage = [0] * len(nodes)
         for i in order:
             for name in reads[i]:
@@ -346,8 +388,8 @@ class _Values(dict):
 def run(model, feeds: Mapping, output_names=None, *, providers=None, sess_options=None) -> list:
     """Run `model` once; returns the outputs (all, in graph order, or `output_names`) as a list.
 
-    Linear-attention nodes (`LINEAR_ATTENTION_OPS`) are computed by deltarule,
-    everything else by ONNX Runtime. Builds a `Session` each call: keep a
-    `Session` to run a model more than once.
+    Linear-attention nodes (`LINEAR_ATTENTION_OPS`), and the `PARTIAL_OPS` nodes ONNX
+    Runtime's CPU kernel refuses, are computed by deltarule, everything else by ONNX
+    Runtime. Builds a `Session` each call: keep a `Session` to run a model more than once.
     """
     return Session(model, providers=providers, sess_options=sess_options).run(output_names, feeds)
