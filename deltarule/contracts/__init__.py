@@ -1,8 +1,11 @@
 """Adapters reproducing other runtimes' contracts on top of `deltarule.linear_attention`.
 
 - `deltarule.contracts.onnx`: ONNX `LinearAttention` (opset 27).
-- `deltarule.contracts.ort`: ONNX Runtime `com.microsoft.GatedDeltaNet`,
-  `com.microsoft.LinearAttention` and `com.microsoft.LinearAttentionGate`.
+- `deltarule.contracts.ort`: ONNX Runtime 1.32's `com.microsoft.GatedDeltaNet`
+  (compact state-update capture included), `com.microsoft.LinearAttention`
+  (state windows), `com.microsoft.CausalConvWithState` and
+  `com.microsoft.LinearAttentionGate` (GatedDeltaNet in `_ort_gdn.py`, windows in
+  `_ort_la.py`, the conv in `_ort_conv.py`).
 - `deltarule.contracts.fla`: flash-linear-attention's Python API.
 - `deltarule.contracts.ascend`: Ascend's `aclnnRecurrentGatedDeltaRule`
   (packed tokens, per-token rows of a V-major slab updated in place,
