@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .errors import ContractError
+from .kernels.cpu import replay as _native
 from .problem import STATE_DTYPES, capture_parts
 
 
@@ -62,6 +63,11 @@ def replay(state, capture, count, *, key_heads, per_key_decay=False, state_indic
     live = [n for n, c in enumerate(counts) if c > 0 and rows[n] >= 0]
     if not live:
         return state
+    if state.device.type == "cpu" and state.is_contiguous() and _native.available():
+        decay, key, delta = parts                   # one pass over each row, in place (csrc/replay.c)
+        _native.replay(state, state_layout == "vk", capture, rows, counts, C=decay.shape[1], Hk=key.shape[2],
+                       K=key.shape[3], V=delta.shape[3], Dw=decay.shape[2])
+        return state
     picked = torch.tensor([rows[n] for n in live], device=state.device)
     steps = torch.tensor([counts[n] for n in live], device=state.device)
     S = layout(state[picked].to(torch.float32)).contiguous()            # every read first
@@ -73,7 +79,8 @@ def replay(state, capture, count, *, key_heads, per_key_decay=False, state_indic
 
 
 def _advance(S, decay, key, delta, steps):
-    """S [n, Hv, K, V] float32 after `steps[i]` transitions of row i, in closed form: the decays
+    """S [n, Hv, K, V] float32 after `steps[i]` transitions of row i (states off the CPU, or
+    strided; the native kernel's twin), in closed form: the decays
     are diagonal, so they commute, and n rank-1 updates are one product,
 
         S_n = diag(prod_t d_t) S + sum_t diag(prod_{s > t} d_s) k_t u_t^T,

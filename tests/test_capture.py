@@ -193,3 +193,31 @@ def test_replay_is_one_rank1_update_per_transition():
         want = d[i][:, :, None] * want + k[i].repeat_interleave(2, 0)[:, :, None] * u[i][:, None, :]
     deltarule.replay(state, capture, torch.tensor([C]), key_heads=Hk, per_key_decay=True)
     assert rel(state[0], want) < 1e-6
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_key", [False, True], ids=["g", "gk"])
+def test_native_replay_matches_its_torch_twin(layout, dtype, per_key):
+    """csrc/replay.c (a contiguous CPU state) against the closed form in torch ops (a strided
+    state takes it): the same rows, within float32 rounding and one 16-bit store."""
+    from deltarule.kernels.cpu import replay as native
+
+    if not native.available():
+        pytest.skip("the cpu backend's native kernel was not built")
+    gen = torch.Generator().manual_seed(11)
+    Hv, Hk, K, V, C = 4, 2, 12, 20, 3
+    shape = (6, Hv, K, V) if layout == "kv" else (6, Hv, V, K)
+    contiguous = torch.randn(shape, generator=gen).to(dtype)
+    strided = torch.empty(shape[:2] + shape[:1:-1], dtype=dtype).transpose(-1, -2)
+    strided.copy_(contiguous)
+    assert not strided.is_contiguous()
+    capture = torch.rand(3, C * _width(Hv, Hk, K, V, per_key), generator=gen)
+    kw = dict(key_heads=Hk, per_key_decay=per_key, state_indices=torch.tensor([4, -1, 0]), state_layout=layout)
+    count = torch.tensor([3, 2, 1])
+    before = contiguous.clone()
+    deltarule.replay(contiguous, capture, count, **kw)
+    deltarule.replay(strided, capture, count, **kw)
+    assert rel(contiguous[[0, 4]], strided[[0, 4]]) < (1e-6 if dtype == torch.float32 else 2 ** -8)
+    assert not torch.equal(contiguous[[0, 4]], before[[0, 4]])
+    assert torch.equal(contiguous[[1, 2, 3, 5]], before[[1, 2, 3, 5]])

@@ -53,6 +53,9 @@ def _load():
     lib.deltarule_backward.restype = ctypes.c_int
     lib.deltarule_conv.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.deltarule_conv.restype = ctypes.c_int
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.deltarule_replay.argtypes = [ptr, ctypes.c_int, ctypes.c_int, ptr, ptr, ptr] + [i64] * 7
+    lib.deltarule_replay.restype = ctypes.c_int
     lib.deltarule_use_host_threads.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.deltarule_use_host_threads.restype = None
     PROBLEM.check(lib.deltarule_problem_fields)
