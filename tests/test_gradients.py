@@ -22,8 +22,9 @@ BACKENDS = [CPU, "torch"]
 
 
 def differentiable_case(case: dict) -> bool:
-    """Calls autograd can follow: no slab, no overlapping (clamped, decreasing) sequences."""
-    if case.get("state_indices") is not None:
+    """Calls autograd can follow: no slab, no capture buffer (its factors are not
+    differentiated: refused), no overlapping (clamped, decreasing) sequences."""
+    if case.get("state_indices") is not None or case.get("capture") is not None:
         return False
     cu = case.get("cu_seqlens")
     if cu is None:
