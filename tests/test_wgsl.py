@@ -225,6 +225,28 @@ def test_specialization_is_cached_per_key():
     assert spec["K"] == 16 and spec["layout"] == "kv" and spec["dt_qkv"] == "f32"
 
 
+def test_card_only_specializations_compile():
+    """The kernel cards (deltarule/cards) specialize the shared templates beyond what this backend
+    asks for: the bounded sigmoid ("kda") raw gate in both shaders, the capture rows placed in
+    the output buffer, narrow.wgsl.jinja's float32 copy and zero fill. Each compiles on this
+    adapter; web/test/cards.test.js checks their values in Dawn and Chromium."""
+    from deltarule.kernels.wgsl import chunked
+
+    args = cases.make_inputs(small(decay="gk", raw_gate=True, qk_l2norm=True))
+    args["capture"] = torch.zeros(args["q"].shape[0], 3 * (2 * 16 + 2 * 16 + 2 * 24))
+    p = deltarule.validate(**args)
+    rec = dict(recurrent.specialization(p), gate_fn="sigmoid")
+    assert rec["capture"] == 3 and rec["raw_gate"] == "gk"
+    intra, _ = chunked.specialization(p)
+    for template, spec in (("recurrent.wgsl.jinja", rec), ("recurrent.wgsl.jinja", dict(rec, capture_in_out=True)),
+                           ("recurrent.wgsl.jinja", dict(rec, has_gk=False, has_g=True, dt_g="f32", raw_gate="g")),
+                           ("chunked_intra.wgsl.jinja", dict(intra, gate_fn="sigmoid")),
+                           ("narrow.wgsl.jinja", {"dtype": "f32"}), ("narrow.wgsl.jinja", {"dtype": "zero"})):
+        code = _device.render(template, tuple(sorted(spec.items())))
+        assert ("sigmoid(decay_rate" in code) == (spec.get("gate_fn") == "sigmoid"), template
+        _device.pipeline(template, tuple(sorted(spec.items())))
+
+
 def test_slab_docstring_example_runs():
     from deltarule.backends import wgsl_slab as slab
     result = doctest.testmod(slab)

@@ -9,7 +9,9 @@ place in one float32 device buffer: a copy of `initial_state` (or zeros), the
 gathered read rows of a torch slab (plus one row per per-token store of a
 speculative plan), or a `WgslStateSlab` that never leaves the device. 16-bit
 torch states are widened on the way up and rounded to nearest even on the
-way back. Outputs come back to `q`'s device as torch tensors.
+way back. Outputs come back to `q`'s device as torch tensors. A compact
+`capture` runs the recurrence (token by token) with the capture in a device
+buffer, copied back into the caller's tensor after the call.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ SUPPORTS = dict(
     note="prefill: chunked (WY) passes for calls with a sequence of >= 128 tokens "
          "(kernels/wgsl/chunked.py, MIN_TOKENS; chunk_size rounded up to a power of two in [16, 64]), "
          "the fused recurrence for shorter calls, decode and speculative plans; speculative plans up to "
-         "32768 tokens per sequence; not in auto's order",
+         "32768 tokens per sequence; compact capture on the fused recurrence (one storage buffer more); "
+         "not in auto's order",
     gradients="none (inputs that require grad are declined)",
 )
 
@@ -67,7 +70,8 @@ def supports(p: Problem) -> str | None:
     if p.plan.speculative and p.max_len > recurrent.SEGMENT:
         return f"a speculative plan with a sequence longer than {recurrent.SEGMENT} tokens (one dispatch each)"
     state_rows = _buffer_rows(p)
-    largest = 4 * max(p.B * p.T * p.Ho * p.V, p.B * p.T * p.Hq * p.K, state_rows * p.Hv * p.K * p.V)
+    captured = p.capture.numel() if p.capture is not None else 0
+    largest = 4 * max(p.B * p.T * p.Ho * p.V, p.B * p.T * p.Hq * p.K, state_rows * p.Hv * p.K * p.V, captured)
     if largest > gpu.max_binding_bytes:
         return f"a {largest}-byte buffer: more than the adapter's {gpu.max_binding_bytes}-byte binding limit"
     if largest >= 2**32:
@@ -85,30 +89,49 @@ def _buffer_rows(p: Problem) -> int:
     return p.N
 
 
-def _prefill(p: Problem, state, rows: list[int]) -> torch.Tensor:
-    """The chunked form where it wins (long sequences, `chunked.wins`), else the recurrence."""
+def _forward(p: Problem, state, rows: list[int], token_rows: np.ndarray | None, capture) -> torch.Tensor:
+    """The chunked form where it wins (long sequences, `chunked.wins`; never for a token-serial
+    call: per-token stores or a capture), else the recurrence."""
     from ..kernels.wgsl import chunked, recurrence
 
-    if chunked.wins(p):
+    if not p.token_serial and chunked.wins(p):
         return chunked.chunked(p, state, rows)
-    return recurrence(p, state, rows)
+    return recurrence(p, state, rows, token_rows, capture)
+
+
+def _capture_buffer(p: Problem):
+    """The device copy of `p.capture` (None without one): the entries the shader does not write
+    come back as the caller's."""
+    from ..kernels.wgsl import _device
+
+    return None if p.capture is None else _device.upload(p.capture)
+
+
+def _write_capture(p: Problem, buffer) -> None:
+    """`p.capture` <- the device buffer (IN PLACE), once the call has succeeded."""
+    from ..kernels.wgsl import _device
+
+    if buffer is None or not p.capture.numel():
+        return
+    raw = bytearray(_device.download(buffer, p.capture.numel() * 4))
+    p.capture.copy_(torch.frombuffer(raw, dtype=torch.float32).view(p.capture.shape))
 
 
 def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
-    from ..kernels.wgsl import _device, recurrence
+    from ..kernels.wgsl import _device
     from .wgsl_slab import WgslStateSlab
     from ..kernels.wgsl.recurrent import NO_ROW
 
     init, plan = p.initial_state, p.plan
     live = [n for n, s in enumerate(p.spans) if s.live]
+    capture = _capture_buffer(p)
     if isinstance(init, WgslStateSlab):
         # with per-token stores, a sequence without tokens stores nothing and reads no row (in the
-        # same dispatch another sequence may store into the row it names)
+        # same dispatch another sequence may store into the row it names); a verify call's plan
+        # (a capture) has per-token rows that store nothing
         reads = [s.read if s.length or not plan.speculative else NO_ROW for s in (p.spans[n] for n in live)]
-        if plan.speculative:
-            o = recurrence(p, init.buffer, reads, plan.token_rows[live])
-        else:
-            o = _prefill(p, init.buffer, reads)
+        o = _forward(p, init.buffer, reads, plan.token_rows[live] if plan.speculative else None, capture)
+        _write_capture(p, capture)
         return _finish(p, o), init
     tail = (p.Hv, p.K, p.V) if p.state_layout == "kv" else (p.Hv, p.V, p.K)
     rows = _buffer_rows(p)
@@ -125,15 +148,15 @@ def run(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
             sequences, tokens, _ = plan.token_writes()
             for j, (n, t) in enumerate(zip(sequences.tolist(), tokens.tolist())):
                 token_rows[where[n], t] = len(live) + j
-        o = (recurrence(p, state, list(range(len(live))), token_rows) if plan.speculative
-             else _prefill(p, state, list(range(len(live)))))
+        o = _forward(p, state, list(range(len(live))), token_rows, capture)
     else:
         upload = init.to(torch.float32) if init is not None else None
         state = _device.upload(upload) if upload is not None else _device.zeros(p.N * _numel(tail) * 4)
-        o = _prefill(p, state, [p.spans[n].read for n in live])
+        o = _forward(p, state, [p.spans[n].read for n in live], None, capture)
     nbytes = rows * _numel(tail) * 4
     final = (torch.frombuffer(bytearray(_device.download(state, nbytes)), dtype=torch.float32)
              if nbytes else torch.zeros(0)).view(rows, *tail).to(p.device)
+    _write_capture(p, capture)
     if not p.in_place:
         return _finish(p, o), final.to(p.state_dtype)
     # only after the dispatch succeeded: a failed call leaves the slab as it was

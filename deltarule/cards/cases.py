@@ -47,13 +47,24 @@ def tensor(x, dtype: torch.dtype | None = None) -> dict:
 
 # --- com.microsoft.GatedDeltaNet ------------------------------------------------------------
 
+_RAW = ("qwen", "softplus", "sigmoid", "kda")
+# the bind keys of ONNX Runtime's inputs in the operator's order (deltarule.contracts.ort.gated_delta_net's)
+GDN_INPUTS = ("queryT", "keyT", "valueT", "cuSeqlensT", "decayT", "betaT", "initialStateT", "aLogT", "dtBiasT",
+              "captureCountT", "stateUpdateActiveT")
+
+
 def _gdn_case(name, *, seed, lead, Hq, Hv, Dk, Dv, dtype="float32", update_rule="gated_delta", cu=None,
               state=False, gate_activation="none", beta_activation="none", qk_l2_norm=0, scale=0.0,
-              chunk_size=64, decay_range=(-1.0, -0.01), resets=(), N=None):
+              chunk_size=64, decay_range=(-1.0, -0.01), resets=(), N=None, per_key=False, bias="head",
+              gate_lower_bound=-5.0, capacity=0, capture_count=None, active=None, qk_size=1.0):
+    """One case; per_key: decay [..., Hv, Dk]; bias: dt_bias "head" [Hv], "key" [Hv, Dk] or "flat"
+    [Hv * Dk]; capacity > 0: capture_count (default: C for every request) and, where given,
+    state_update_active [active]; qk_size scales the queries and keys (tiny ones make
+    qk_l2_norm's epsilon show)."""
     gen = torch.Generator().manual_seed(seed)
     T = torch.float32 if dtype == "float32" else torch.float16
-    q = torch.randn(*lead, Hq, Dk, generator=gen)
-    k = torch.randn(*lead, Hq, Dk, generator=gen)
+    q = torch.randn(*lead, Hq, Dk, generator=gen) * qk_size
+    k = torch.randn(*lead, Hq, Dk, generator=gen) * qk_size
     if not qk_l2_norm:
         k = torch.nn.functional.normalize(k, dim=-1)
     v = torch.randn(*lead, Hv, Dv, generator=gen)
@@ -61,14 +72,15 @@ def _gdn_case(name, *, seed, lead, Hq, Hv, Dk, Dv, dtype="float32", update_rule=
     inputs = {"queryT": q, "keyT": k, "valueT": v}
     if cu is not None:
         inputs["cuSeqlensT"] = torch.tensor(cu, dtype=torch.int32)
+    heads = (Hv, Dk) if per_key else (Hv,)
     if update_rule in ("gated", "gated_delta"):
-        if gate_activation == "qwen":
-            d = torch.randn(*lead, Hv, generator=gen)
+        if gate_activation in _RAW:
+            d = torch.randn(*lead, *heads, generator=gen)
         else:
             lo, hi = decay_range
-            d = torch.rand(*lead, Hv, generator=gen) * (hi - lo) + lo
+            d = torch.rand(*lead, *heads, generator=gen) * (hi - lo) + lo
             for t in resets:
-                d.view(-1, Hv)[t] = float("-inf")
+                d.view(-1, *heads)[t] = float("-inf")
         inputs["decayT"] = d
     if update_rule in ("delta", "gated_delta"):
         b = torch.randn(*lead, Hv, generator=gen)
@@ -76,26 +88,56 @@ def _gdn_case(name, *, seed, lead, Hq, Hv, Dk, Dv, dtype="float32", update_rule=
     if state:
         rows = N if N is not None else (lead[0] if len(lead) == 2 else len(cu) - 1)
         inputs["initialStateT"] = torch.randn(rows, Hv, Dv, Dk, generator=gen) * 0.5
-    if gate_activation == "qwen":
+    if gate_activation in _RAW:
         inputs["aLogT"] = torch.rand(Hv, generator=gen) * 2 - 1
-        inputs["dtBiasT"] = torch.rand(Hv, generator=gen) * 2 - 1
+        shape = {"head": (Hv,), "key": (Hv, Dk), "flat": (Hv * Dk,)}[bias]
+        inputs["dtBiasT"] = torch.rand(*shape, generator=gen) * 2 - 1
     attributes = dict(update_rule=update_rule, gate_activation=gate_activation, beta_activation=beta_activation,
-                      qk_l2_norm=qk_l2_norm, scale=scale, chunk_size=chunk_size, state_update_capacity=0)
-    names = ("queryT", "keyT", "valueT", "cuSeqlensT", "decayT", "betaT", "initialStateT", "aLogT", "dtBiasT")
-    _, args, out_shape = ort.gated_delta_net_arguments(*(inputs.get(n) for n in names), **attributes,
-                                                       gate_lower_bound=-5.0)
+                      qk_l2_norm=qk_l2_norm, scale=scale, chunk_size=chunk_size, state_update_capacity=capacity,
+                      gate_lower_bound=gate_lower_bound)
+    if capacity:
+        requests = len(cu) - 1 if cu is not None else (N if N is not None else lead[0])
+        counts = capture_count if capture_count is not None else [capacity] * requests
+        inputs["captureCountT"] = torch.tensor(counts, dtype=torch.int32)
+        if active is not None:
+            inputs["stateUpdateActiveT"] = torch.tensor([active], dtype=torch.int32)
+    # ONNX Runtime's contract onto deltarule's call (an active capture adds a zero `capture`)
+    _, args, out_shape = ort.gated_delta_net_arguments(*(inputs.get(n) for n in GDN_INPUTS), **attributes)
     args.pop("accept_growth")
-    o, s = check.expected(args)
     plan = build_plan(args["q"].shape[0], args["q"].shape[1], torch.device("cpu"), cu_seqlens=args["cu_seqlens"],
                       seq_lens=None, state_indices=None, num_accepted_tokens=None, num_slots=None)
+    o, s, captured = check.expected_with_capture(args)
+    expected = {"outputT": tensor(torch.from_numpy(o).reshape(out_shape), T),
+                "finalStateT": tensor(torch.from_numpy(s), torch.float32)}
+    tolerance = {"outputT": TOL[dtype], "finalStateT": TOL[dtype]}
+    if capacity:
+        widths = ((Hv * Dk if per_key else Hv), Hq * Dk, Hv * Dv)       # decay, key, delta per transition
+        counts = [min(max(c, 0), capacity, span.length) if active != 0 else 0
+                  for c, span in zip(inputs["captureCountT"].tolist(), plan.spans)]
+        update = (_state_update(captured, capacity, widths, counts) if captured is not None
+                  else np.zeros((plan.N, capacity * sum(widths))))
+        expected["stateUpdateT"] = tensor(torch.from_numpy(update))
+        tolerance["stateUpdateT"] = TOL["float32"]     # float32 arithmetic on the inputs' values
     return {
         "name": name, "attributes": attributes,
         "inputs": {n: tensor(x) for n, x in inputs.items()},
-        "expected": {"outputT": tensor(torch.from_numpy(o).reshape(out_shape), T),
-                     "finalStateT": tensor(torch.from_numpy(s), torch.float32)},
-        "tolerance": {"outputT": TOL[dtype], "finalStateT": TOL[dtype]},
+        "expected": expected, "tolerance": tolerance,
         "poison": plan.covered(),
     }
+
+
+def _state_update(captured: np.ndarray, C: int, widths: tuple, counts: list[int]) -> np.ndarray:
+    """ONNX Runtime's `state_update` [N, C * sum(widths)] from the reference's capture buffer
+    (deltarule's `capture`: the same layout, each sequence's first min(C, length) transitions):
+    request n's first counts[n] transitions of each part (decay, key, delta), zero elsewhere (the
+    card leaves the rest zero; ONNX Runtime leaves it unspecified)."""
+    out = np.zeros_like(captured)
+    base = 0
+    for w in widths:
+        for n, c in enumerate(counts):
+            out[n, base: base + c * w] = captured[n, base: base + c * w]
+        base += C * w
+    return out
 
 
 def gated_delta_net_tests() -> list[dict]:
@@ -126,7 +168,64 @@ def gated_delta_net_tests() -> list[dict]:
                   decay_range=(-8.0, -2.0), resets=(100, 1500)),
         _gdn_case("long-B1-S1100-Hv4", seed=13, lead=(1, 1100), Hq=2, Hv=4, Dk=64, Dv=64, state=True),
     ]
-    return cases
+    return cases + _per_key_cases() + _capture_cases()
+
+
+def _per_key_cases() -> list[dict]:
+    """ONNX Runtime 1.32's per-key-dimension decay and bounded sigmoid ("kda") gate; S >= 128 takes
+    the chunked form under "auto"."""
+    return [
+        _gdn_case("perkey-T12-cu-empty", seed=20, lead=(12,), Hq=1, Hv=2, Dk=12, Dv=9, cu=[0, 5, 5, 12], state=True,
+                  per_key=True),
+        _gdn_case("perkey-kda-T12-cu-empty-bias-key", seed=21, lead=(12,), Hq=1, Hv=2, Dk=12, Dv=9,
+                  cu=[0, 5, 5, 12], state=True, per_key=True, gate_activation="kda", bias="key"),
+        _gdn_case("perkey-softplus-B2-S9-Hq2-Hv4-K100-bias-head-l2norm", seed=22, lead=(2, 9), Hq=2, Hv=4, Dk=100,
+                  Dv=20, state=True, per_key=True, gate_activation="softplus", qk_l2_norm=1,
+                  beta_activation="sigmoid"),
+        _gdn_case("perkey-sigmoid-B2-S9-bias-flat-bound-2-f16", seed=23, lead=(2, 9), Hq=2, Hv=2, Dk=16, Dv=16,
+                  dtype="float16", per_key=True, gate_activation="sigmoid", bias="flat", gate_lower_bound=-2.0),
+        _gdn_case("perkey-gated-B1-S140-chunked", seed=24, lead=(1, 140), Hq=1, Hv=2, Dk=32, Dv=32, state=True,
+                  update_rule="gated", per_key=True, decay_range=(-0.3, -0.01)),
+        _gdn_case("perkey-kda-B1-S140-Hq1-Hv2-chunked", seed=25, lead=(1, 140), Hq=1, Hv=2, Dk=32, Dv=32,
+                  per_key=True, gate_activation="kda", bias="key", qk_l2_norm=1),
+        # |q|^2, |k|^2 ~ 1e-5: the kda gate's epsilon 1e-6 (1e-12 with the others): the other one moves o by ~9 %
+        _gdn_case("kda-l2norm-eps-tiny-qk-B1-S6", seed=27, lead=(1, 6), Hq=1, Hv=2, Dk=16, Dv=16, state=True,
+                  gate_activation="kda", qk_l2_norm=1, qk_size=1e-3, capacity=2),
+        _gdn_case("softplus-l2norm-eps-tiny-qk-B1-S6", seed=27, lead=(1, 6), Hq=1, Hv=2, Dk=16, Dv=16, state=True,
+                  gate_activation="softplus", qk_l2_norm=1, qk_size=1e-3, capacity=2),
+        _gdn_case("kda-scalar-B1-S140-chunked", seed=26, lead=(1, 140), Hq=2, Hv=2, Dk=32, Dv=32, state=True,
+                  gate_activation="kda", beta_activation="sigmoid"),
+    ]
+
+
+def _capture_cases() -> list[dict]:
+    """Compact transition capture (state_update_capacity, capture_count, state_update_active):
+    counts clamped to [0, min(C, length)], requests below and above C, empty requests, per-key
+    decay, GVA, K = 100, the rules without decay or retrieval, an inactive capture, and a long
+    request the capture keeps on the recurrence."""
+    return [
+        _gdn_case("capture-C3-T16-cu-empty-counts-clamped", seed=30, lead=(16,), Hq=1, Hv=2, Dk=12, Dv=9,
+                  cu=[0, 5, 5, 12, 14, 16], state=True, capacity=3, capture_count=[2, 3, 9, 9, -1]),
+        _gdn_case("capture-C3-T16-cu-empty-counts-clamped-f16", seed=30, lead=(16,), Hq=1, Hv=2, Dk=12, Dv=9,
+                  dtype="float16", cu=[0, 5, 5, 12, 14, 16], state=True, capacity=3, capture_count=[2, 3, 9, 9, -1]),
+        _gdn_case("capture-perkey-kda-C8-B2-S3-Hq2-Hv4-K100-l2norm", seed=31, lead=(2, 3), Hq=2, Hv=4, Dk=100,
+                  Dv=36, state=True, per_key=True, gate_activation="kda", bias="key", qk_l2_norm=1,
+                  beta_activation="sigmoid", capacity=8, capture_count=[8, 1]),
+        _gdn_case("capture-qwen-C4-B3-S4-uniform-packing", seed=32, lead=(12,), Hq=2, Hv=2, Dk=16, Dv=24,
+                  state=True, N=3, gate_activation="qwen", capacity=4),
+        _gdn_case("capture-linear-C2-B2-S5", seed=33, lead=(2, 5), Hq=1, Hv=2, Dk=16, Dv=16,
+                  update_rule="linear", capacity=2),
+        _gdn_case("capture-delta-C5-B2-S4", seed=34, lead=(2, 4), Hq=2, Hv=2, Dk=16, Dv=16,
+                  update_rule="delta", state=True, capacity=5, capture_count=[5, 2]),
+        _gdn_case("capture-gated-perkey-C2-B1-S6-resets", seed=35, lead=(1, 6), Hq=1, Hv=1, Dk=16, Dv=16,
+                  update_rule="gated", per_key=True, decay_range=(-6.0, -2.0), resets=(1,), capacity=2),
+        _gdn_case("capture-inactive-C4-B2-S5", seed=36, lead=(2, 5), Hq=1, Hv=2, Dk=16, Dv=16, state=True,
+                  capacity=4, active=0),
+        _gdn_case("capture-active-C4-B2-S5", seed=36, lead=(2, 5), Hq=1, Hv=2, Dk=16, Dv=16, state=True,
+                  capacity=4, active=1),
+        _gdn_case("capture-C6-B1-S140-recurrent", seed=37, lead=(1, 140), Hq=1, Hv=2, Dk=32, Dv=32, state=True,
+                  capacity=6),
+    ]
 
 
 # --- com.microsoft.LinearAttentionGate ------------------------------------------------------
@@ -173,14 +272,16 @@ _CARD_ATTRIBUTES = ("rule", "state_layout", "l2norm_eps", "chunk_size")
 
 
 def _fits(case: dict) -> bool:
+    """A case the card runs: float32 states, no compact capture (this card has none: a capture
+    with a slab is a verify call, which stores nothing), within the size caps."""
     B, T, Hq, Hk, Hv, K, V = (case[x] for x in ("B", "T", "Hq", "Hk", "Hv", "K", "V"))
-    return (case.get("state_dtype", "float32") == "float32"
+    return (case.get("state_dtype", "float32") == "float32" and case.get("capture") is None
             and B * T * (Hq * K + Hk * K + Hv * V + Hv * K)
             <= (MAX_STRONG if case["name"].startswith("strong-") else MAX_ELEMENTS))
 
 
 def linear_attention_tests() -> list[dict]:
-    """deltarule's own test.json cases (float32 states, size-capped), every dtype each lists."""
+    """deltarule's own test.json cases (float32 states, no capture, size-capped), every dtype each lists."""
     cases = []
     for case in test_cases():
         if not _fits(case):

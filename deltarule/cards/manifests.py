@@ -19,6 +19,11 @@ card's host program (`host.js`), which names the bind key in its errors.
 
 from __future__ import annotations
 
+# gate_activation values with a raw gate (a_log, dt_bias): ONNX Runtime 1.32's names and aliases
+_RAW_GATES = ["softplus", "qwen", "sigmoid", "kda"]
+# state_update_capacity's range in ONNX Runtime 1.32's schema
+MAX_CAPACITY = 8
+
 GATED_DELTA_NET = {
     "id": "com.microsoft.GatedDeltaNet",
     "domain": "com.microsoft",
@@ -30,7 +35,11 @@ GATED_DELTA_NET = {
         "o_t = scale * S_t^T q_t per value head; update_rule selects which terms survive. Query, key and "
         "value are (total_tokens, heads, head_size) or (batch, sequence, heads, head_size). num_heads_v is "
         "a positive multiple of num_heads_q, and value head h reads query head h * num_heads_q / num_heads_v. "
-        "The V-major state and the gate fusions are float32."),
+        "The V-major state and the gate fusions are float32. As in ONNX Runtime 1.32: per-key-dimension "
+        "decay (decay (..., num_heads_v, head_size_qk)) and compact transition capture "
+        "(state_update_capacity C > 0 with capture_count: request b's first min(capture_count[b], C, "
+        "its length) transitions in state_update, row b = [C decay rows | C keys | C deltas], so that "
+        "S = diag(decay) S + key delta^T replays them; the rest of the row is zero)."),
     "inputs": [
         {"name": "query", "bind": "queryT", "type": "T", "rank": [3, 4], "presence": "required",
          "description": "(total_tokens, num_heads_q, head_size_qk) or (batch_size, sequence_length, "
@@ -46,7 +55,8 @@ GATED_DELTA_NET = {
                         "the batch size from initialStateT)"},
         {"name": "decay", "bind": "decayT", "type": "TS", "presence": {"exactly_when": {
             "update_rule": ["gated", "gated_delta"]}},
-         "description": "log-space decay (..., num_heads_v), or the raw projection with gate_activation qwen"},
+         "description": "log-space decay (..., num_heads_v), or per key dimension (..., num_heads_v, "
+                        "head_size_qk); the raw projection with a gate_activation"},
         {"name": "beta", "bind": "betaT", "type": "TS", "presence": {"exactly_when": {
             "update_rule": ["delta", "gated_delta"]}},
          "description": "update rate (..., num_heads_v)"},
@@ -54,9 +64,17 @@ GATED_DELTA_NET = {
          "description": "V-major (batch_size, num_heads_v, head_size_v, head_size_qk); zeros when absent; "
                         "a separate allocation from finalStateT"},
         {"name": "a_log", "bind": "aLogT", "type": "TS", "rank": [1], "host": True,
-         "presence": {"exactly_when": {"gate_activation": ["qwen"]}}, "description": "(num_heads_v)"},
-        {"name": "dt_bias", "bind": "dtBiasT", "type": "TS", "rank": [1], "host": True,
-         "presence": {"exactly_when": {"gate_activation": ["qwen"]}}, "description": "(num_heads_v)"},
+         "presence": {"exactly_when": {"gate_activation": _RAW_GATES}}, "description": "(num_heads_v)"},
+        {"name": "dt_bias", "bind": "dtBiasT", "type": "TS", "rank": [1, 2], "host": True,
+         "presence": {"exactly_when": {"gate_activation": _RAW_GATES}},
+         "description": "(num_heads_v); with per-key decay also (num_heads_v, head_size_qk) or "
+                        "(num_heads_v * head_size_qk)"},
+        {"name": "capture_count", "bind": "captureCountT", "type": "TI", "rank": [1], "host": True,
+         "presence": {"exactly_when": {"state_update_capacity": list(range(1, MAX_CAPACITY + 1))}},
+         "description": "(batch_size): transitions to capture per request, clamped to [0, min(C, its length)]"},
+        {"name": "state_update_active", "bind": "stateUpdateActiveT", "type": "TI", "rank": [1], "host": True,
+         "presence": "optional",
+         "description": "(1): 0 disables the capture (state_update stays zero); absent means active"},
     ],
     "outputs": [
         {"name": "output", "bind": "outputT", "type": "T", "rank": "same as queryT", "presence": "required",
@@ -64,19 +82,34 @@ GATED_DELTA_NET = {
         {"name": "final_state", "bind": "finalStateT", "type": "TS", "rank": [4], "presence": "required",
          "description": "V-major (batch_size, num_heads_v, head_size_v, head_size_qk); a request with no "
                         "tokens copies its incoming state through"},
+        {"name": "state_update", "bind": "stateUpdateT", "type": "TS", "rank": [2],
+         "presence": {"optional": True, "with": ["captureCountT"]},
+         "description": "(batch_size, C * (decay_width + num_heads_q * head_size_qk + num_heads_v * head_size_v)), "
+                        "decay_width num_heads_v (num_heads_v * head_size_qk per key): row b holds C decay "
+                        "factors exp(g) [decay_width] (1 without decay), then C keys as the recurrence uses "
+                        "them (L2-normalized with qk_l2_norm) [num_heads_q, head_size_qk], then C deltas "
+                        "beta (v - S'^T k) (v without beta) [num_heads_v, head_size_v], S' the decayed state; "
+                        "past the captured prefix zeros"},
     ],
     "attributes": [
         {"name": "beta_activation", "type": "string", "default": "none", "values": ["none", "sigmoid"]},
         {"name": "chunk_size", "type": "int", "default": 64,
          "description": "scheduling hint for the chunked prefill; every value is accepted and none changes "
                         "the result beyond rounding"},
-        {"name": "gate_activation", "type": "string", "default": "none", "values": ["none", "qwen"],
-         "description": "qwen: -exp(a_log) * softplus(decay + dt_bias) in float32"},
+        {"name": "gate_activation", "type": "string", "default": "none", "values": ["none", *_RAW_GATES],
+         "description": "softplus (alias qwen): -exp(a_log) * softplus(decay + dt_bias); sigmoid (alias kda): "
+                        "gate_lower_bound * sigmoid(exp(a_log) * (decay + dt_bias)); in float32"},
+        {"name": "gate_lower_bound", "type": "float", "default": -5.0,
+         "description": "negative and finite; the bound of the sigmoid gate"},
         {"name": "qk_l2_norm", "type": "int", "default": 0, "values": [0, 1],
-         "description": "1: x * rsqrt(sum(x^2) + 1e-12) per query and key head, in float32"},
+         "description": "1: x * rsqrt(sum(x^2) + eps) per query and key head, in float32; eps 1e-12, 1e-6 "
+                        "with the sigmoid / kda gate (ONNX Runtime 1.32's CPU kernel)"},
         {"name": "scale", "type": "float", "default": 0.0, "description": "0 selects 1 / sqrt(head_size_qk)"},
-        {"name": "state_update_capacity", "type": "int", "default": 0, "values": [0],
-         "description": "compact transition capture is not implemented: 0 only"},
+        {"name": "state_update_capacity", "type": "int", "default": 0, "values": list(range(MAX_CAPACITY + 1)),
+         "description": "C, transitions per request in state_update (ONNX Runtime's range [0, 8]); 0 disables "
+                        "the capture. A capture runs the recurrent variant (never the chunked one), with a "
+                        "storage buffer of its own where the adapter has one to spare, else after the "
+                        "outputs in a shared one"},
         {"name": "update_rule", "type": "string", "default": "gated_delta",
          "values": ["linear", "gated", "delta", "gated_delta"]},
     ],

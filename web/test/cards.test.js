@@ -123,13 +123,35 @@ test("loader: contract errors name the bind key or attribute", async () => {
   await refuses(gdn(gdnInputs({ betaT: undefined })), "betaT");                       // gated_delta needs it
   await refuses(gdn(gdnInputs(), { attributes: { update_rule: "gated" } }), "betaT");  // and gated refuses it
   await refuses(gdn(gdnInputs(), { attributes: { update_rule: "fast" } }), "update_rule");
-  await refuses(gdn(gdnInputs(), { attributes: { state_update_capacity: 4 } }), "state_update_capacity");
+  await refuses(gdn(gdnInputs(), { attributes: { state_update_capacity: 9 } }), "state_update_capacity");  // [0, 8]
+  await refuses(gdn(gdnInputs(), { attributes: { state_update_capacity: 4 } }), "captureCountT");
   await refuses(gdn(gdnInputs(), { attributes: { gate_activation: "qwen" } }), "aLogT");
   await refuses(gdn(gdnInputs({ valueT: { data: new Float32Array(3 * 2 * 8), shape: [3, 2, 8] } })), "valueT");
   await refuses(gdn(gdnInputs({ decayT: { data: new Uint16Array(8), shape: [4, 2], dtype: "float16" } })), "decayT");
   await refuses(gdn(gdnInputs({ keyT: { data: new Uint16Array(32), shape: [4, 1, 8], dtype: "float16" } })), "keyT");
   await refuses(gdn(gdnInputs({ cuSeqlensT: { data: Float32Array.from([0, 4]), shape: [2] } })), "cuSeqlensT");
   await refuses(gdn(gdnInputs({ queryT: { data: new Float32Array(31), shape: [4, 1, 8] } })), "queryT");
+  // ONNX Runtime 1.32's additions: per-key decay, the sigmoid gate's bound, compact capture
+  const count = (n) => ({ data: Int32Array.from(Array(n).fill(2)), shape: [n] });
+  const capture = { attributes: { state_update_capacity: 2 } };
+  await refuses(gdn(gdnInputs({ captureCountT: count(1) })), "captureCountT");          // capacity 0 forbids it
+  await refuses(gdn(gdnInputs({ captureCountT: count(2) }), capture), "captureCountT");  // one per request
+  await refuses(gdn(gdnInputs({ captureCountT: count(1), stateUpdateActiveT: count(2) }), capture), "stateUpdateActiveT");
+  await refuses(gdn(gdnInputs({ captureCountT: count(1) }), { ...capture, variant: "chunked" }), "variant");
+  await refuses(gdn(gdnInputs({ decayT: { data: new Float32Array(4 * 2 * 7), shape: [4, 2, 7] } })), "decayT");
+  await refuses(gdn(gdnInputs(), { attributes: { gate_lower_bound: 0 } }), "gate_lower_bound");
+  const kda = { attributes: { gate_activation: "kda" } };
+  const gateParams = (bias) => ({ aLogT: { data: new Float32Array(2), shape: [2] }, dtBiasT: bias });
+  await refuses(gdn(gdnInputs(gateParams({ data: new Float32Array(16), shape: [2, 8] })), kda), "dtBiasT");  // per-head decay
+  const perKey = { decayT: { data: new Float32Array(4 * 2 * 8).fill(0.3), shape: [4, 2, 8] } };
+  await refuses(gdn(gdnInputs({ ...perKey, ...gateParams({ data: new Float32Array(14), shape: [14] }) }), kda), "dtBiasT");
+  // two transitions of a per-key kda call: decays exp(-5 sigmoid(0.3)) [2, Hv * K], then the keys as given
+  const inputs = gdnInputs({ ...perKey, ...gateParams({ data: new Float32Array(16), shape: [2, 8] }), captureCountT: count(1) });
+  const { stateUpdateT } = await gdn(inputs, { attributes: { state_update_capacity: 2, gate_activation: "kda" } });
+  assert.deepEqual(stateUpdateT.shape, [1, 2 * (2 * 8 + 1 * 8 + 2 * 8)]);
+  const close = (x, y) => Math.abs(x - y) <= 1e-6 * Math.abs(y);
+  assert.ok(stateUpdateT.data.subarray(0, 32).every((x) => close(x, Math.exp(-5 / (1 + Math.exp(-0.3))))));
+  assert.ok(stateUpdateT.data.subarray(32, 48).every((x, i) => close(x, inputs.keyT.data[i])));
   const rank4 = { queryT: { data: new Float32Array(32), shape: [1, 4, 1, 8] } };
   await refuses(gdn(gdnInputs(rank4)), "cuSeqlensT");                                 // rank 3 only
   const la = await load("deltarule.LinearAttention");

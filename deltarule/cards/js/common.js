@@ -65,7 +65,9 @@ function sums(G, retrieves, l2norm) {
 
 // The recurrent shader's specialization (recurrent.py's `specialization`).
 // p: { K, V, G, Hq, Hk, Hv, layout, dtypes: { qkv, g, gk, b, w }, retrieves, bPerKey, rawGate,
-//      sigmoid, l2norm, owners, speculative, stateIn }
+//      gateFn ("softplus" default, or "sigmoid": the bounded KDA gate), sigmoid, l2norm, owners,
+//      speculative, stateIn, capacity (compact capture: transitions per row, 0 for none),
+//      captureInOut (the capture rows in the output buffer from element captureBase) }
 export function recurrentSpec(p, limits) {
   const [KS, BV] = tiling(p.K, p.V, p.G, p.retrieves, p.l2norm, limits.maxComputeWorkgroupStorageSize);
   const [NR, NS] = sums(p.G, p.retrieves, p.l2norm);
@@ -76,8 +78,9 @@ export function recurrentSpec(p, limits) {
     has_g: !!p.dtypes.g, dt_g: d(p.dtypes.g), has_gk: !!p.dtypes.gk, dt_gk: d(p.dtypes.gk),
     has_b: !!p.dtypes.b, dt_b: d(p.dtypes.b), b_per_key: !!p.bPerKey,
     has_w: !!p.dtypes.w, dt_w: d(p.dtypes.w), w_per_value: !!p.dtypes.w,
-    raw_gate: p.rawGate || "", sigmoid: !!p.sigmoid, l2norm: !!p.l2norm, has_owner: !!p.owners,
-    speculative: !!p.speculative, state_in: !!p.stateIn,
+    raw_gate: p.rawGate || "", gate_fn: p.gateFn || "softplus", sigmoid: !!p.sigmoid, l2norm: !!p.l2norm,
+    has_owner: !!p.owners, speculative: !!p.speculative, state_in: !!p.stateIn, capture: p.capacity || 0,
+    capture_in_out: !!p.captureInOut,
   };
 }
 
@@ -131,16 +134,18 @@ export function covered(spans, B, T) {
   return seen.every((x) => x === 1);
 }
 
-// One uint32 table of both shaders from its named parts in order, then the owners and the raw
-// gate's A_log / dt_bias bits where present; `at` holds each part's offset (0 when absent).
-function packTable(parts, owner, gates) {
+// One uint32 table of both shaders from its named parts in order, then the owners, the raw
+// gate's A_log (followed by the sigmoid gate's lower bound) / dt_bias bits and the capture
+// entries where present; `at` holds each part's offset (0 when absent).
+function packTable(parts, owner, gates, captures = null) {
   const all = { ...parts };
   if (owner !== null) all.owner = owner;
   if (gates) {
-    all.aLog = new Uint32Array(Float32Array.from(gates.aLog).buffer);
+    all.aLog = new Uint32Array(Float32Array.from([...gates.aLog, gates.bound ?? 0]).buffer);
     all.dtBias = new Uint32Array(Float32Array.from(gates.dtBias).buffer);
   }
-  const at = { owner: 0, aLog: 0, dtBias: 0 };
+  if (captures) all.captures = captures;
+  const at = { owner: 0, aLog: 0, dtBias: 0, captures: 0 };
   let size = 0;
   for (const [name, x] of Object.entries(all)) { at[name] = size; size += x.length; }
   const table = new Uint32Array(size);
@@ -150,8 +155,10 @@ function packTable(parts, owner, gates) {
 
 // The passes of one recurrence over the live spans: spans [{ row, start, end, read, live }],
 // rows: the state buffer row of each live span; tokenRows: speculative per-token rows
-// (Uint32Array [live, L]) or null; gates: { aLog, dtBias } float32 arrays for the raw-gate arm.
-export function recurrentPasses(p, spans, rows, tokenRows, gates, bindings, limits) {
+// (Uint32Array [live, L]) or null; gates: { aLog, dtBias, bound? } float32 arrays (and the
+// sigmoid gate's lower bound) for the raw-gate arm; captures: with p.capacity, per live span
+// [capture row, transitions to capture] (the shader's capture buffer is bindings[12]).
+export function recurrentPasses(p, spans, rows, tokenRows, gates, bindings, limits, captures = null) {
   const live = spans.filter((s) => s.live);
   if (!live.length || !(p.B * p.T)) return [];
   const owner = owners(spans, p.B, p.T);
@@ -184,10 +191,11 @@ export function recurrentPasses(p, spans, rows, tokenRows, gates, bindings, limi
       live.forEach((_, i) => { seqs[4 * i + 3] = seqs.length + i * L; });
       parts.tokenRows = tokenRows;
     }
-    const { table, at } = packTable(parts, owner, gates);
+    const { table, at } = packTable(parts, owner, gates, captures && captureEntries(captures, skip));
     const params = new ArrayBuffer(32);
     new Uint32Array(params, 0, 4).set([p.B * p.T, at.owner, at.aLog, at.dtBias]);
     new Float32Array(params, 16, 2).set([p.scale, p.eps]);
+    new Uint32Array(params, 24, 2).set([at.captures, p.captureBase || 0]);
     passes.push({ template: "recurrent.wgsl.jinja", spec, grid,
       workgroup: { invocations: spec.KS * spec.BV, bytes: 4 * 2 * (spec.NR * spec.KS * spec.BV + spec.NS * spec.KS) },
       bindings: { 0: { uniform: params }, 1: { storage: table }, ...bindings } });
@@ -195,15 +203,25 @@ export function recurrentPasses(p, spans, rows, tokenRows, gates, bindings, limi
   return passes;
 }
 
-// A float32 buffer narrowed into a 16-bit output (two elements per invocation).
-export function narrowPass(dtype, count, from, to, limits) {
+// The table's capture entries of the segment starting at token `skip` of each sequence
+// (recurrent.py's `capture_entries`): capture row, transitions past skip (of the segment), skip.
+function captureEntries(captures, skip) {
+  const entries = new Uint32Array(4 * captures.length);
+  captures.forEach(([row, count], i) => entries.set([row, Math.min(Math.max(count - skip, 0), SEGMENT), skip], 4 * i));
+  return entries;
+}
+
+// `count` float32 elements of a buffer from element `first` into an output of `dtype` (narrowed
+// to 16 bits, or copied for float32), two elements per invocation; dtype "zero": `count` zeros
+// into `to` from element `first` (`from` unused).
+export function narrowPass(dtype, count, from, to, limits, first = 0) {
   const groups = Math.ceil(Math.ceil(count / 2) / 256);
   const nx = Math.max(1, Math.min(groups, limits.maxComputeWorkgroupsPerDimension));
   const params = new ArrayBuffer(16);
-  new Uint32Array(params).set([count, nx * 256]);
-  return { template: "narrow.wgsl.jinja", spec: { dtype: SHADER_DTYPES[dtype] },
-    grid: [nx, Math.max(1, Math.ceil(groups / nx)), 1], workgroup: { invocations: 256, bytes: 0 },
-    bindings: { 0: { uniform: params }, 1: from, 2: to } };
+  new Uint32Array(params).set([count, nx * 256, first]);
+  const bindings = dtype === "zero" ? { 0: { uniform: params }, 2: to } : { 0: { uniform: params }, 1: from, 2: to };
+  return { template: "narrow.wgsl.jinja", spec: { dtype: dtype === "zero" ? "zero" : SHADER_DTYPES[dtype] },
+    grid: [nx, Math.max(1, Math.ceil(groups / nx)), 1], workgroup: { invocations: 256, bytes: 0 }, bindings };
 }
 
 // Where a shader writes a float32 result for output `bind` of `dtype`: the output itself
@@ -300,7 +318,7 @@ export function chunkedPasses(p, spans, rows, gates, inputs, state, out, plan, l
   const intra = { ...common, HQ: p.Hq, HK: p.Hk, WG: INTRA_WORKGROUP, dt_qkv: d(p.dtypes.qkv),
     has_g: !!p.dtypes.g, dt_g: d(p.dtypes.g), has_gk: !!p.dtypes.gk, dt_gk: d(p.dtypes.gk),
     has_b: !!p.dtypes.b, dt_b: d(p.dtypes.b), b_per_key: !!p.bPerKey, has_w: !!p.dtypes.w, dt_w: d(p.dtypes.w),
-    raw_gate: p.rawGate || "", sigmoid: !!p.sigmoid, l2norm: !!p.l2norm };
+    raw_gate: p.rawGate || "", gate_fn: p.gateFn || "softplus", sigmoid: !!p.sigmoid, l2norm: !!p.l2norm };
   const owner = owners(spans, p.B, p.T);
   const stateSpec = { ...common, BV: t.BV, layout: p.layout, has_owner: owner !== null };
   const perSeq = segmentChunks(p, live.length, limits);

@@ -90,7 +90,7 @@ def specialization(p: Problem) -> tuple[tuple, tuple]:
         has_gk=p.gk is not None, dt_gk=dt[p.gk.dtype] if p.gk is not None else "",
         has_b=b is not None, dt_b=dt[b.dtype] if b is not None else "", b_per_key=p.erase is not None,
         has_w=p.write is not None, dt_w=dt[p.write.dtype] if p.write is not None else "",
-        raw_gate=raw, sigmoid=p.beta_sigmoid, l2norm=p.qk_l2norm,
+        raw_gate=raw, gate_fn="softplus", sigmoid=p.beta_sigmoid, l2norm=p.qk_l2norm,
     )
     state = dict(common, BV=t["BV"], layout=p.state_layout, has_owner=p.plan.overlapping())
     return tuple(sorted(intra.items())), tuple(sorted(state.items()))

@@ -6,7 +6,10 @@ beta_sigmoid and the L2 norm itself. The state is one float32 buffer in the
 caller's layout ("kv" [S, Hv, K, V] or "vk" [S, Hv, V, K]) updated in place
 on the rows the caller names, so a device-resident slab never leaves the GPU.
 With a speculative plan each sequence reads one row and stores the state
-after each of its tokens into that token's row (no final store).
+after each of its tokens into that token's row (no final store). With a
+capture (`Problem.capture`) the shader also writes each sequence's first
+transitions (decay factors, key, delta u) into a float32 buffer in ONNX
+Runtime's `state_update` layout (`deltarule.linear_attention`'s `capture`).
 """
 
 from __future__ import annotations
@@ -62,25 +65,30 @@ def specialization(p: Problem) -> tuple:
         has_b=b is not None, dt_b=dt[b.dtype] if b is not None else "", b_per_key=p.erase is not None,
         has_w=p.write is not None, dt_w=dt[p.write.dtype] if p.write is not None else "",
         w_per_value=p.write is not None,
-        raw_gate=raw, sigmoid=p.beta_sigmoid, l2norm=p.qk_l2norm, has_owner=p.plan.overlapping(),
-        speculative=p.plan.speculative, state_in=False,
+        raw_gate=raw, gate_fn="softplus", sigmoid=p.beta_sigmoid, l2norm=p.qk_l2norm,
+        has_owner=p.plan.overlapping(), speculative=p.plan.speculative, state_in=False, capture=p.capacity,
+        capture_in_out=False,
     )
     return tuple(sorted(spec.items()))
 
 
 def bindings_needed(p: Problem) -> int:
-    """Storage buffers the specialization binds (table, state, out, q, k, v + the gates present)."""
-    gates = (p.g, p.gk, p.beta if p.beta is not None else p.erase, p.write)
+    """Storage buffers the specialization binds (table, state, out, q, k, v + the gates present
+    + the capture)."""
+    gates = (p.g, p.gk, p.beta if p.beta is not None else p.erase, p.write, p.capture)
     return 6 + sum(x is not None for x in gates)
 
 
 NO_ROW = 0xFFFFFFFF                  # a row the shader never reads or writes (past every buffer)
 
 
-def _table(p: Problem, rows: list[int], token_rows: np.ndarray | None, skip: int) -> tuple[np.ndarray, int, int, int]:
+def _table(p: Problem, rows: list[int], token_rows: np.ndarray | None, skip: int,
+           captures: np.ndarray | None = None) -> tuple[np.ndarray, int, int, int, int]:
     """The shader's table (uint32) for tokens skip .. skip + SEGMENT of every live
-    sequence, and the offsets of owners, A_log and dt_bias in it. Per sequence: first
-    token, length, state row, and (speculative) the offset of its per-token rows."""
+    sequence, and the offsets of owners, A_log, dt_bias and the capture entries in it. Per
+    sequence: first token, length, state row, and (speculative) the offset of its per-token
+    rows; per capturing sequence (`captures` [live, 2]: capture row, transitions): the row, the
+    transitions that fall in this segment and the index of the first."""
     live = [n for n, s in enumerate(p.spans) if s.live]
     seqs = np.zeros((len(live), 4), dtype=np.uint32)
     for i, (n, row) in enumerate(zip(live, rows)):
@@ -101,7 +109,21 @@ def _table(p: Problem, rows: list[int], token_rows: np.ndarray | None, skip: int
         parts.append(p.A_log.detach().to("cpu", torch.float32).numpy().view(np.uint32).ravel())
         bias_offset = sum(x.size for x in parts)
         parts.append(p.dt_bias.detach().to("cpu", torch.float32).contiguous().numpy().view(np.uint32).ravel())
-    return np.concatenate(parts), owner_offset, a_log_offset, bias_offset
+    capture_offset = 0
+    if captures is not None:
+        capture_offset = sum(x.size for x in parts)
+        parts.append(capture_entries(captures, skip).ravel())
+    return np.concatenate(parts), owner_offset, a_log_offset, bias_offset, capture_offset
+
+
+def capture_entries(captures: np.ndarray, skip: int) -> np.ndarray:
+    """The table's capture entries of one segment: per live sequence (capture row, transitions
+    of the segment: those past `skip` of its count, index of the first = skip, 0)."""
+    entries = np.zeros((captures.shape[0], 4), dtype=np.uint32)
+    entries[:, 0] = captures[:, 0]
+    entries[:, 1] = np.clip(captures[:, 1].astype(np.int64) - skip, 0, SEGMENT)
+    entries[:, 2] = skip
+    return entries
 
 
 def _output_buffer(nbytes: int):
@@ -109,7 +131,8 @@ def _output_buffer(nbytes: int):
     return _device.zeros(nbytes)
 
 
-def recurrence(p: Problem, state, rows: list[int], token_rows: np.ndarray | None = None) -> torch.Tensor:
+def recurrence(p: Problem, state, rows: list[int], token_rows: np.ndarray | None = None,
+               capture=None) -> torch.Tensor:
     """Run every live sequence of `p` (in sequence order) on the device.
 
     Args:
@@ -121,6 +144,9 @@ def recurrence(p: Problem, state, rows: list[int], token_rows: np.ndarray | None
         rows: one state row per live sequence, distinct.
         token_rows: with a speculative plan, [live, L] buffer rows (NO_ROW: none)
             that receive the state after each token, instead of the final store.
+        capture: with `p.capture`, a wgpu storage buffer float32 [N, W] (`p.capture`'s
+            layout): live sequence n writes its first min(C, length) transitions into
+            row n (IN PLACE; every other element is left as it was).
 
     Returns:
         o: [B, T, Ho, V] float32 on the host; tokens no live sequence owns are zero.
@@ -134,13 +160,19 @@ def recurrence(p: Problem, state, rows: list[int], token_rows: np.ndarray | None
         for binding, x in ((7, p.g), (8, p.gk), (9, b), (10, p.write)):
             if x is not None:
                 buffers[binding] = _device.upload(x)
+        captures = None
+        if p.capture is not None:
+            buffers[12] = capture
+            captures = np.array([(n, min(p.capacity, s.length)) for n, s in enumerate(p.spans) if s.live],
+                                dtype=np.int64).reshape(-1, 2)
         spec = specialization(p)
         grid = (math.ceil(p.V / dict(spec)["BV"]), p.Hv, live)
         # the state stays in place between segments, so a split sequence continues exactly
         for skip in range(0, max(p.max_len, 1), SEGMENT):
-            table, owner_offset, a_log_offset, bias_offset = _table(p, rows, token_rows, skip)
-            params = struct.pack("<4I2f", p.B * p.T, owner_offset, a_log_offset, bias_offset,
-                                 p.scale, p.l2norm_eps)
+            table, owner_offset, a_log_offset, bias_offset, capture_offset = _table(p, rows, token_rows, skip,
+                                                                                    captures)
+            params = struct.pack("<4I2f2I", p.B * p.T, owner_offset, a_log_offset, bias_offset,
+                                 p.scale, p.l2norm_eps, capture_offset, 0)
             buffers.update({0: _device.uniform(params), 1: _device.upload(table)})
             _device.dispatch(TEMPLATE, spec, buffers, grid)
     if not out_bytes:
