@@ -6,10 +6,15 @@ numbers, in the same page, on the same GPUDevice, and checks both against deltar
 reference. This script writes what the page reads into OUT (default web/ort-kernels/, gitignored):
 
 - ``index.json``: the shape (B = 1, H heads, K, V), the relative-error tolerance (deltarule's
-  float32 card tolerance, ``deltarule.cards.cases.TOL``), the models and per case its tensors
-  as ``{"file", "shape"}`` (raw float32, little-endian, C order);
-- ``GatedDeltaNet.onnx``: one ``com.microsoft.GatedDeltaNet`` node, (B, S, H, D) inputs, V-major
-  state (B, H, V, K), update_rule gated_delta, every other attribute at its default;
+  float32 card tolerance, ``deltarule.cards.cases.TOL``), the models (``ort_models``: contract,
+  variant, file, attributes) and per case its tensors as ``{"file", "shape"}`` (raw float32,
+  little-endian, C order);
+- ``GatedDeltaNet-chunk<C>.onnx`` per ``--gdn-chunk-sizes`` C (default 16, 64): one
+  ``com.microsoft.GatedDeltaNet`` node, (B, S, H, D) inputs, V-major state (B, H, V, K),
+  update_rule gated_delta, ``chunk_size`` C, every other attribute at its default. chunk_size is
+  a scheduling hint: onnxruntime 1.31.1's WebGPU kernel documents 16 as the opt-in to its
+  chunkwise prefill "on supported Apple silicon" and 64 (the default) as its recurrent route; the
+  page records which programs each session built (docs/web.md);
 - ``LinearAttention.onnx``: one ``com.microsoft.LinearAttention`` node, packed (B, T, H * D)
   query / key / value, K-major ``past_state`` (B, H, K, V), update_rule gated_delta,
   q_num_heads = kv_num_heads = H, scale 0 (1 / sqrt(K), as both cards' default);
@@ -28,7 +33,7 @@ Expectations: deltarule's float64 oracle (``deltarule.reference`` through ``chec
 once through the GatedDeltaNet contract adapter (``contracts.ort.gated_delta_net_arguments``,
 V-major state) and once through the LinearAttention mapping (packed [B, T, H*D] -> [B, T, H, D],
 the argument mapping of ``contracts.ort.linear_attention``, K-major state); the two must agree.
-``--check-ort-cpu`` also runs both models in onnxruntime's CPU provider (Python) and prints their
+``--check-ort-cpu`` also runs every model in onnxruntime's CPU provider (Python) and prints their
 relative errors against it (a check of the models, not part of the page).
 
     .venv/bin/python benchmarks/ort_web_kernels.py --out web/ort-kernels
@@ -52,14 +57,29 @@ from deltarule.cards.cases import TOL
 from deltarule.contracts import ort as ort_contract
 from deltarule.peers import one_node_model
 
-def gated_delta_net_model(H: int, K: int, V: int) -> onnx.ModelProto:
-    """One com.microsoft.GatedDeltaNet node: (1, S, H, D) inputs, V-major state (1, H, V, K)."""
+def gated_delta_net_model(H: int, K: int, V: int, chunk_size: int) -> onnx.ModelProto:
+    """One com.microsoft.GatedDeltaNet node: (1, S, H, D) inputs, V-major state (1, H, V, K).
+
+    Args:
+        H, K, V: heads, key and value head sizes.
+        chunk_size: the node's chunk_size attribute (a scheduling hint, never the result).
+    """
     f = np.float32
     return one_node_model(
         "GatedDeltaNet", [("query", f, [1, "S", H, K]), ("key", f, [1, "S", H, K]), ("value", f, [1, "S", H, V]), None,
                           ("decay", f, [1, "S", H]), ("beta", f, [1, "S", H]), ("initial_state", f, [1, H, V, K])],
         [("output", f, [1, "S", H, V]), ("final_state", f, [1, H, V, K])],
-        domain="com.microsoft", opset=21, ir_version=10, update_rule="gated_delta")
+        domain="com.microsoft", opset=21, ir_version=10, update_rule="gated_delta", chunk_size=chunk_size)
+
+
+def ort_models(chunk_sizes: list[int], H: int) -> list[dict]:
+    """The one-node models the page runs in onnxruntime-web (H heads): GatedDeltaNet per chunk size,
+    in the given order (the page warms them up in this order), then LinearAttention."""
+    gdn = [{"contract": "com.microsoft.GatedDeltaNet", "variant": f"chunk_size={c}",
+            "file": f"GatedDeltaNet-chunk{c}.onnx", "attributes": {"update_rule": "gated_delta", "chunk_size": c}}
+           for c in chunk_sizes]
+    return gdn + [{"contract": "com.microsoft.LinearAttention", "variant": "", "file": "LinearAttention.onnx",
+                   "attributes": {"update_rule": "gated_delta", "q_num_heads": H, "kv_num_heads": H}}]
 
 
 def linear_attention_model(H: int, K: int, V: int) -> onnx.ModelProto:
@@ -122,36 +142,55 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def check_ort_cpu(out: str, case: dict, x: dict, ref: dict) -> str:
+def _run_gdn(session, f: dict, decode: bool) -> tuple[np.ndarray, np.ndarray]:
+    """A GatedDeltaNet session over the case: one call, or (decode) T = 1 calls with the state fed back.
+
+    Args:
+        session: an onnxruntime InferenceSession of a GatedDeltaNet model.
+        f: the case's float32 arrays: q, k [1, T, H, K], v [1, T, H, V], g, beta [1, T, H],
+            s0_kv [1, H, K, V] (fed transposed: V-major).
+        decode: T calls of one token each instead of one call.
+    Returns output [1, T, H, V] and the final V-major state [1, H, V, K].
+    """
+    state = np.ascontiguousarray(np.swapaxes(f["s0_kv"], -1, -2))
+    steps = [slice(t, t + 1) for t in range(f["q"].shape[1])] if decode else [slice(None)]
+    outs = []
+    for s in steps:
+        o, state = session.run(None, {"query": f["q"][:, s], "key": f["k"][:, s], "value": f["v"][:, s],
+                                      "decay": f["g"][:, s], "beta": f["beta"][:, s], "initial_state": state})
+        outs.append(o)
+    return np.concatenate(outs, 1), state
+
+
+def _run_la(session, f: dict, decode: bool) -> tuple[np.ndarray, np.ndarray]:
+    """A LinearAttention session over the case, as `_run_gdn` (inputs packed [1, T, H * D], the
+    K-major state s0_kv [1, H, K, V]); returns output [1, T, H, V] and the final [1, H, K, V] state."""
+    _, T, H, _ = f["q"].shape
+    state = f["s0_kv"]
+    steps = [slice(t, t + 1) for t in range(T)] if decode else [slice(None)]
+    outs = []
+    for s in steps:
+        n = f["q"][:, s].shape[1]
+        o, state = session.run(None, {"query": f["q"][:, s].reshape(1, n, -1), "key": f["k"][:, s].reshape(1, n, -1),
+                                      "value": f["v"][:, s].reshape(1, n, -1), "past_state": state,
+                                      "decay": f["g"][:, s], "beta": f["beta"][:, s]})
+        outs.append(o.reshape(1, n, H, -1))
+    return np.concatenate(outs, 1), state
+
+
+def check_ort_cpu(out: str, models: list[dict], case: dict, x: dict, ref: dict) -> str:
+    """Relative errors of onnxruntime's CPU provider (Python) on every model of `models` against the
+    float64 references `ref` of case `case` (a check of the models, not of onnxruntime-web)."""
     import onnxruntime
 
-    T, H = x["q"].shape[1], x["q"].shape[2]
     f = {n: t.numpy().astype(np.float32) for n, t in x.items()}
-    gdn = onnxruntime.InferenceSession(os.path.join(out, "GatedDeltaNet.onnx"), providers=["CPUExecutionProvider"])
-    la = onnxruntime.InferenceSession(os.path.join(out, "LinearAttention.onnx"), providers=["CPUExecutionProvider"])
     rows = []
-    if case["kind"] == "decode":                      # T = 1 steps, state fed back
-        s_vk, s_kv, o_gdn, o_la = np.ascontiguousarray(np.swapaxes(f["s0_kv"], -1, -2)), f["s0_kv"], [], []
-        for t in range(T):
-            step = {n: f[n][:, t:t + 1] for n in ("q", "k", "v", "g", "beta")}
-            o, s_vk = gdn.run(None, {"query": step["q"], "key": step["k"], "value": step["v"], "decay": step["g"],
-                                     "beta": step["beta"], "initial_state": s_vk})
-            o_gdn.append(o)
-            o, s_kv = la.run(None, {"query": step["q"].reshape(1, 1, -1), "key": step["k"].reshape(1, 1, -1),
-                                    "value": step["v"].reshape(1, 1, -1), "past_state": s_kv,
-                                    "decay": step["g"], "beta": step["beta"]})
-            o_la.append(o.reshape(1, 1, H, -1))
-        o_gdn, o_la = np.concatenate(o_gdn, 1), np.concatenate(o_la, 1)
-    else:
-        o_gdn, s_vk = gdn.run(None, {"query": f["q"], "key": f["k"], "value": f["v"], "decay": f["g"],
-                                     "beta": f["beta"],
-                                     "initial_state": np.ascontiguousarray(np.swapaxes(f["s0_kv"], -1, -2))})
-        o_la, s_kv = la.run(None, {"query": f["q"].reshape(1, T, -1), "key": f["k"].reshape(1, T, -1),
-                                   "value": f["v"].reshape(1, T, -1), "past_state": f["s0_kv"], "decay": f["g"],
-                                   "beta": f["beta"]})
-    rows.append(f"GatedDeltaNet o {rel(o_gdn, ref['o']):.2e} state {rel(s_vk, ref['state_vk']):.2e}")
-    rows.append(f"LinearAttention o {rel(o_la.reshape(ref['o'].shape), ref['o']):.2e} "
-                f"state {rel(s_kv, ref['state_kv']):.2e}")
+    for m in models:
+        session = onnxruntime.InferenceSession(os.path.join(out, m["file"]), providers=["CPUExecutionProvider"])
+        gdn = m["contract"].endswith("GatedDeltaNet")
+        o, s = (_run_gdn if gdn else _run_la)(session, f, case["kind"] == "decode")
+        s_ref = ref["state_vk"] if gdn else ref["state_kv"]
+        rows.append(f"{m['file']} o {rel(o, ref['o']):.2e} state {rel(s, s_ref):.2e}")
     return "; ".join(rows)
 
 
@@ -166,16 +205,23 @@ def main(argv=None) -> int:
     p.add_argument("--decay-lo", type=float, default=-0.1, help="log decay drawn from U(lo, hi) (default -0.1)")
     p.add_argument("--decay-hi", type=float, default=-0.005, help="(default -0.005)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gdn-chunk-sizes", type=int, nargs="+", default=[16, 64],
+                   help="a GatedDeltaNet model per chunk_size attribute, warmed up in this order (default 16 64)")
     p.add_argument("--check-ort-cpu", action="store_true",
-                   help="also run both models in onnxruntime's CPU provider (Python) against the reference")
+                   help="also run every model in onnxruntime's CPU provider (Python) against the reference")
     a = p.parse_args(argv)
     H, K, V = a.heads, a.dk, a.dv
     if min(H, K, V) < 1 or a.decode < 0 or any(t < 1 for t in a.prefill) or not a.decay_lo <= a.decay_hi <= 0:
         p.error("sizes must be positive and decay_lo <= decay_hi <= 0")
+    if any(c < 1 for c in a.gdn_chunk_sizes) or len(set(a.gdn_chunk_sizes)) != len(a.gdn_chunk_sizes):
+        p.error("--gdn-chunk-sizes must be distinct positive integers")
     start = time.perf_counter()
     os.makedirs(a.out, exist_ok=True)
-    onnx.save(gated_delta_net_model(H, K, V), os.path.join(a.out, "GatedDeltaNet.onnx"))
-    onnx.save(linear_attention_model(H, K, V), os.path.join(a.out, "LinearAttention.onnx"))
+    models = ort_models(a.gdn_chunk_sizes, H)
+    for m in models:
+        gdn = m["contract"] == "com.microsoft.GatedDeltaNet"
+        model = gated_delta_net_model(H, K, V, m["attributes"]["chunk_size"]) if gdn else linear_attention_model(H, K, V)
+        onnx.save(model, os.path.join(a.out, m["file"]))
     cases = [{"name": f"prefill-T{t}", "kind": "prefill", "tokens": t} for t in a.prefill]
     if a.decode:
         cases.append({"name": f"decode-{a.decode}", "kind": "decode", "tokens": a.decode, "steps": a.decode})
@@ -184,8 +230,7 @@ def main(argv=None) -> int:
         "B": 1, "H": H, "K": K, "V": V, "dtype": "float32", "scale": 1 / math.sqrt(K),
         "decay": [a.decay_lo, a.decay_hi], "seed": a.seed,
         "tolerance": TOL["float32"], "error": "||out - ref|| / ||ref|| (float64), deltarule-kernels.js relativeError",
-        "models": {"com.microsoft.GatedDeltaNet": "GatedDeltaNet.onnx",
-                   "com.microsoft.LinearAttention": "LinearAttention.onnx"},
+        "ort_models": models,
         "cases": [],
     }
     for i, case in enumerate(cases):
@@ -200,11 +245,11 @@ def main(argv=None) -> int:
         for n in ("o", "state_kv", "state_vk"):
             write(folder, n, ref[n], expected)
         index["cases"].append({**case, "inputs": tensors, "expected": expected})
-        note = f" (onnxruntime CPU: {check_ort_cpu(a.out, case, x, ref)})" if a.check_ort_cpu else ""
+        note = f" (onnxruntime CPU: {check_ort_cpu(a.out, models, case, x, ref)})" if a.check_ort_cpu else ""
         print(f"{case['name']}: T={case['tokens']} H={H} K={K} V={V}{note}", flush=True)
     with open(os.path.join(a.out, "index.json"), "w") as f:
         json.dump(index, f, indent=1)
-    print(f"wrote {a.out}/index.json, 2 models, {len(cases)} cases in {time.perf_counter() - start:.1f} s")
+    print(f"wrote {a.out}/index.json, {len(models)} models, {len(cases)} cases in {time.perf_counter() - start:.1f} s")
     return 0
 
 

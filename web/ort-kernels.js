@@ -5,23 +5,29 @@
 //   .venv/bin/python benchmarks/ort_web_kernels.py --out web/ort-kernels
 //
 // Per case (prefill from a non-zero state, decode with the state fed back) and contract:
-// - com.microsoft.GatedDeltaNet: the card cards/com.microsoft.GatedDeltaNet, and a one-node ONNX
-//   model run by onnxruntime-web (ort.webgpu.bundle: the native WebGPU execution provider; a
-//   kernel from 1.31.1 on, (1, S, H, D) inputs and a V-major initial_state);
+// - com.microsoft.GatedDeltaNet: the card cards/com.microsoft.GatedDeltaNet, and one-node ONNX
+//   models run by onnxruntime-web 1.31.1 (ort.webgpu.bundle: the native WebGPU execution
+//   provider's GatedDeltaNet kernel; (1, S, H, D) inputs, a V-major initial_state), one per
+//   chunk_size attribute the generator wrote (16: the kernel's opt-in to a chunkwise prefill on
+//   adapters it supports; 64, the default: its recurrent route);
 // - com.microsoft.LinearAttention: the card cards/deltarule.LinearAttention fed the same numbers
 //   (packed [B, T, H*D] is the same memory as [B, T, H, D]; past_state [B, H, K, V] is the card's
 //   "kv" layout; scale 0 -> 1/sqrt(K) in both), and the one-node model in onnxruntime-web.
 // Every output and final state is checked against deltarule's float64 reference with the cards'
 // own measure (relativeError of deltarule-kernels.js) and the float32 tolerance of the cards.
+// Which programs each onnxruntime-web session built (its route) is read from the WGSL its program
+// manager logs when it builds one (verbose log), during that session's untimed warm-up calls.
 //
 // Timing: onnxruntime-web creates the GPUDevice (its own feature and limit choices) and the cards
 // are loaded on that same device, so both read the same GPUBuffers: the cards as { buffer } inputs
 // with { resident: true }, onnxruntime-web through ort.Tensor.fromGpuBuffer with
 // preferredOutputLocation "gpu-buffer". Each call is timed to the end of its GPU work
-// (queue.onSubmittedWorkDone, as web/bench.js). Median of `repeat` calls after one warm-up call;
-// decode: median over `repeat` loops of `steps` T = 1 calls (ms per step), state on the device.
-// The implementations of a case take turns, one call (or loop) each per round, in an order rotated
-// from round to round (a shared, noisy machine: its slow spells fall on all of them).
+// (queue.onSubmittedWorkDone, as web/bench.js). One untimed warm-up call each, then `repeat` rounds
+// in which every implementation of the case makes one call (decode: one loop of `steps` T = 1
+// calls, ms per step, state on the device), the order rotated from round to round (a shared, noisy
+// machine: its slow spells fall on all of them). A row's time is the median of its rounds; a
+// card's speed over an onnxruntime-web implementation is the median of the per-round ratios
+// (onnxruntime-web's time over the card's in the same round), with their min and max.
 
 import * as ort from "./node_modules/onnxruntime-web/dist/ort.webgpu.bundle.min.mjs";
 import { loadKernel, relativeError } from "./deltarule-kernels.js";
@@ -56,22 +62,46 @@ async function capturingLogs(fn) {
   }
 }
 
-// The WGSL onnxruntime's program manager logs (verbose) when it builds a program, by cache key.
+// The WGSL onnxruntime's program manager logs (verbose) when it builds a program, by cache key;
+// returns the keys found in `lines`.
 const ortShaders = new Map();
 function keepShaders(lines) {
   let key = null, code = [];
+  const keys = [];
   for (const line of lines.join("\n").split("\n")) {
     const start = line.match(/=== WebGPU Shader code \[(.*)\] Start ===/);
     if (start) { key = start[1]; code = []; continue; }
-    if (key && /=== WebGPU Shader code .*End ===/.test(line)) { ortShaders.set(key, code.join("\n").trim()); key = null; continue; }
+    if (key && /=== WebGPU Shader code .*End ===/.test(line)) {
+      ortShaders.set(key, code.join("\n").trim());
+      keys.push(key);
+      key = null;
+      continue;
+    }
     if (key) code.push(line);
   }
+  return keys;
 }
 
-// An untimed onnxruntime-web call (the warm-up, where it builds its programs): its log kept apart.
-async function untimed(fn) {
+// The program name of a cache key ("GatedDeltaNetChunkScan[...]..." -> "GatedDeltaNetChunkScan").
+export const programName = (key) => key.match(/^[A-Za-z0-9_]+/)?.[0] ?? key;
+
+// onnxruntime-web 1.31.1's GatedDeltaNet routes, by the programs they build (its
+// contrib_ops/webgpu/bert/gated_delta_net.cc): the token-serial GatedDeltaNet program (with
+// GatedDeltaNetParams / Copy / UnpackQkv helpers), or a chunked prefill (GatedDeltaNetChunkPrepare
+// and GatedDeltaNetChunkScan, the chunkwise route chunk_size 16 opts into; GatedDeltaNetPrefill*,
+// the linear rule's parallel prefill).
+export function routeOf(programs) {
+  const names = new Set(programs.map(programName));
+  if ([...names].some((n) => /^GatedDeltaNet(Chunk|Prefill)/.test(n))) return "chunked";
+  if (names.has("GatedDeltaNet")) return "recurrent";
+  return null;
+}
+
+// An untimed onnxruntime-web call (the warm-up, where it builds its programs): its log kept apart;
+// the cache keys of the programs it built are pushed onto `built`.
+async function untimed(fn, built) {
   const { value, error, lines } = await capturingLogs(fn);
-  keepShaders(lines);
+  built.push(...keepShaders(lines));
   if (error) throw error;
   return value;
 }
@@ -151,7 +181,10 @@ function copyInto(device, from, to, bytes) {
 }
 
 const numel = (shape) => shape.reduce((a, b) => a * b, 1);
-const median = (xs) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)];
+export function median(xs) {
+  const s = [...xs].sort((a, b) => a - b), m = s.length >> 1;
+  return s.length % 2 ? s[m] : (s[m - 1] + s[m]) / 2;
+}
 const f32 = (data) => ({ data, dtype: "float32" });
 
 // ---- one case -----------------------------------------------------------------------------------
@@ -188,7 +221,7 @@ function cardInputs(contract, set, H, K, V, state) {
 
 // The one-node models' state names and layouts: LinearAttention packed [B, T, H*D] inputs and a
 // K-major past_state [B, H, K, V]; GatedDeltaNet [B, T, H, D] inputs and a V-major initial_state
-// [B, H, V, K] (onnxruntime-web 1.31.1 has a WebGPU kernel for it; 1.31.0-dev had none)
+// [B, H, V, K]
 const ORT_IO = {
   [LA]: { past: "past_state", present: "present_state", s0: "s0kv", state: (H, K, V) => [1, H, K, V],
     x: (T, H, D) => [1, T, H * D] },
@@ -240,7 +273,8 @@ function prefillCard(kernel, contract, dev, variant) {
       s: await readBuffer(kernel.device, out[sKey].buffer, numel(out[sKey].shape)) }));
 }
 
-function prefillOrt(contract, session, device, dev) {
+// (`built`: where the warm-up call pushes the cache keys of the programs it built)
+function prefillOrt(contract, session, device, dev, built) {
   const { H, K, V } = dev, io = ORT_IO[contract];
   const feeds = ortFeeds(contract, dev.sets[0], H, K, V, dev[io.s0]);
   const call = async () => {
@@ -250,7 +284,7 @@ function prefillOrt(contract, session, device, dev) {
   };
   return prefillRunner(call, (out) => { for (const x of Object.values(out)) x.dispose(); },
     async (out) => ({ o: new Float32Array(await out.output.getData()), s: new Float32Array(await out[io.present].getData()) }),
-    untimed);
+    (f) => untimed(f, built));
 }
 
 // A decode runner: `reset()` makes a fresh copy of the initial state (before the clock starts),
@@ -309,7 +343,7 @@ function decodeCard(kernel, contract, dev) {
     });
 }
 
-function decodeOrt(contract, session, device, dev) {
+function decodeOrt(contract, session, device, dev, built) {
   const { H, K, V, sets } = dev, bytes = H * K * V * 4, io = ORT_IO[contract];
   const feeds = sets.map((set) => ortFeeds(contract, set, H, K, V, null));
   // the state chained as onnxruntime returns it: present_state / final_state (a GPU tensor it
@@ -343,17 +377,89 @@ function decodeOrt(contract, session, device, dev) {
       const s = new Float32Array(await state.getData());
       free();
       return { o, s };
-    }, untimed);
+    }, (f) => untimed(f, built));
 }
 
 // ---- the whole comparison -----------------------------------------------------------------------
 
+// The onnxruntime-web sessions, one per model of index.ort_models: first a probe session with the
+// verbose session log (where its node was placed), kept open while the timed session (warnings
+// only) runs, since closing the last session of a device lets onnxruntime destroy the device.
+async function ortSessions(models, base) {
+  const out = [];
+  for (const m of models) {
+    const url = new URL(m.file, base).href;
+    const p = await probe(url, ["webgpu"]);
+    if (!p.session) throw new Error(`onnxruntime-web could not create the ${m.contract} session (${m.file}): ${p.error}`);
+    // (the runtime's default logger still writes verbose lines while a session is created: kept apart)
+    const { value, error } = await capturingLogs(() => ort.InferenceSession.create(url,
+      { executionProviders: ["webgpu"], preferredOutputLocation: "gpu-buffer", logSeverityLevel: 2 }));
+    if (error) throw error;
+    out.push({ ...m, probe: p.session, session: value, placement: { ep: p.placement, lines: p.lines }, built: [] });
+  }
+  return out;
+}
+
+// The runners of one case: each card (per variant on prefill), then each onnxruntime-web session
+// in index order (the order of the warm-ups: the first session to run a program builds it).
+function caseRunners(c, kernels, sessions, device, dev, variants) {
+  const runners = [];
+  for (const contract of [GDN, LA]) {
+    const common = { contract, stateKey: contract === GDN ? "state_vk" : "state_kv", ep: "deltarule WebGPU card",
+      implementation: contract === GDN ? "card com.microsoft.GatedDeltaNet" : "card deltarule.LinearAttention" };
+    if (c.kind === "decode") {
+      runners.push({ ...common, variant: "recurrent", run: decodeCard(kernels[contract], contract, dev) });
+    } else {
+      for (const variant of variants) {
+        runners.push({ ...common, variant: variant === "auto" ? `auto (${c.tokens >= 128 ? "chunked" : "recurrent"})` : variant,
+          run: prefillCard(kernels[contract], contract, dev, variant) });
+      }
+    }
+  }
+  for (const s of sessions) {
+    const built = [];
+    runners.push({ contract: s.contract, stateKey: s.contract === GDN ? "state_vk" : "state_kv", session: s,
+      implementation: `onnxruntime-web ${s.contract}`, variant: s.variant, ep: s.placement.ep, built,
+      run: c.kind === "decode" ? decodeOrt(s.contract, s.session, device, dev, built)
+        : prefillOrt(s.contract, s.session, device, dev, built) });
+  }
+  return runners;
+}
+
+// Warm-ups, then `repeat` rounds of one timed call (or decode loop) each, the order rotated from
+// round to round so that a slow spell of this shared machine falls on all of them.
+async function timeRounds(runners, repeat) {
+  for (const r of runners) {
+    r.times = [];
+    await r.run.warm();
+  }
+  for (let round = 0; round < repeat; round++) {
+    for (let i = 0; i < runners.length; i++) {
+      const r = runners[(i + round) % runners.length];
+      r.times.push(await r.run.timed());
+    }
+  }
+}
+
+// A card's speed over each onnxruntime-web implementation of its contract in the same case: per
+// round, onnxruntime-web's time over the card's; their median, min and max.
+export function cardRatios(card, rows) {
+  return rows.filter((x) => x.case === card.case && x.contract === card.contract && x.implementation.startsWith("onnxruntime"))
+    .map((o) => {
+      const perRound = o.times.map((t, i) => t / card.times[i]);
+      return { against: o.implementation + (o.variant ? ` [${o.variant}]` : ""), median: median(perRound),
+        min: Math.min(...perRound), max: Math.max(...perRound), perRound };
+    });
+}
+
 /**
  * Run every case of ort-kernels/index.json.
  * @param options { base: URL of the folder holding index.json (default ./ort-kernels/ beside this
- *   module), cards: URL of the cards folder, repeat (default 3), variants: card variants timed on
- *   prefill (default ["auto", "recurrent"]), onRow(row): called as rows come }
- * @returns { adapter, device, ort, shape, tolerance, placement, rows, ratios }
+ *   module), cards: URL of the cards folder (default ./cards/), repeat: timed rounds (default 3),
+ *   variants: card variants timed on prefill (default ["auto", "recurrent"]), onRow(row): called as
+ *   rows come }
+ * @returns { adapter, device, ort, cards, shape, tolerance, repeat, generator, placement, routes, rows,
+ *   ratios, ortShaders }
  */
 export async function runOrtKernels(options = {}) {
   const here = import.meta.url;
@@ -363,29 +469,16 @@ export async function runOrtKernels(options = {}) {
   const variants = options.variants ?? ["auto", "recurrent"];
   const onRow = options.onRow ?? (() => {});
   const index = await readIndex(base);
+  if (!Array.isArray(index.ort_models)) {
+    throw new Error(`${new URL("index.json", base)} has no ort_models (an older generator wrote it): run \`${GENERATOR}\``);
+  }
   ort.env.wasm.wasmPaths = new URL("./node_modules/onnxruntime-web/dist/", here).href;
   ort.env.wasm.numThreads = 1;        // no cross-origin isolation here: one wasm thread either way
   // the runtime's logger passes verbose lines (set before the first session initializes it); the
   // probe sessions ask for them, the timed sessions do not (logSeverityLevel 2, warnings)
   ort.env.logLevel = "verbose";
   hookConsole();
-  const modelUrl = (contract) => new URL(index.models[contract], base).href;
-
-  // onnxruntime-web's GatedDeltaNet: under the webgpu EP, and under wasm alone (its CPU kernels),
-  // before any other session exists (a refused session releases the EP's device)
-  const gdnWebgpu = await probe(modelUrl(GDN), ["webgpu"]);
-  const gdnWasm = gdnWebgpu.session ? null : await probe(modelUrl(GDN), ["wasm"]);
-  const laProbe = await probe(modelUrl(LA), ["webgpu"]);
-  if (!laProbe.session) throw new Error(`onnxruntime-web could not create the LinearAttention session: ${laProbe.error}`);
-  const sessionOptions = { executionProviders: ["webgpu"], preferredOutputLocation: "gpu-buffer", logSeverityLevel: 2 };
-  // (the runtime's default logger still writes verbose lines while a session is created: kept apart)
-  const create = async (contract) => {
-    const { value, error } = await capturingLogs(() => ort.InferenceSession.create(modelUrl(contract), sessionOptions));
-    if (error) throw error;
-    return value;
-  };
-  const sessions = { [LA]: await create(LA) };
-  if (gdnWebgpu.session) sessions[GDN] = await create(GDN);
+  const sessions = await ortSessions(index.ort_models, base);
   const device = await ort.env.webgpu.device;
   if (!device) throw new Error("onnxruntime-web did not expose its GPUDevice (ort.env.webgpu.device)");
   const adapterInfo = device.adapterInfo ?? {};
@@ -393,15 +486,8 @@ export async function runOrtKernels(options = {}) {
     [GDN]: await loadKernel(new URL(`${GDN}/`, cardsUrl).href, { device }),
     [LA]: await loadKernel(new URL("deltarule.LinearAttention/", cardsUrl).href, { device }),
   };
-  const placement = {
-    [GDN]: gdnWebgpu.session
-      ? { ep: gdnWebgpu.placement, lines: gdnWebgpu.lines }
-      : { ep: null, error: gdnWebgpu.error, lines: gdnWebgpu.lines, wasmError: gdnWasm?.error, wasmLines: gdnWasm?.lines },
-    [LA]: { ep: laProbe.placement, lines: laProbe.lines },
-  };
-  const tol = index.tolerance, { H, K, V } = index;
+  const tol = index.tolerance;
   const rows = [];
-  const add = (row) => { rows.push(row); onRow(row); return row; };
   try {
     for (const c of index.cases) {
       const host = {};
@@ -412,94 +498,63 @@ export async function runOrtKernels(options = {}) {
       const dev = deviceInputs(device, host, c.kind === "decode" ? c.steps : 1, made);
       await device.queue.onSubmittedWorkDone();
       const tokens = c.kind === "decode" ? 1 : c.tokens;
-      // the implementations of this case: each card (per variant on prefill) and onnxruntime-web's node
-      const runners = [];
-      for (const contract of [GDN, LA]) {
-        const card = contract === GDN ? "card com.microsoft.GatedDeltaNet" : "card deltarule.LinearAttention";
-        const stateKey = contract === GDN ? "state_vk" : "state_kv";
-        const common = { contract, stateKey };
-        if (c.kind === "decode") {
-          runners.push({ ...common, implementation: card, variant: "recurrent", ep: "deltarule WebGPU card",
-            run: decodeCard(kernels[contract], contract, dev) });
-        } else {
-          for (const variant of variants) {
-            runners.push({ ...common, implementation: card, ep: "deltarule WebGPU card",
-              variant: variant === "auto" ? `auto (${c.tokens >= 128 ? "chunked" : "recurrent"})` : variant,
-              run: prefillCard(kernels[contract], contract, dev, variant) });
-          }
-        }
-        const implementation = `onnxruntime-web ${contract}`;
-        if (sessions[contract]) {
-          runners.push({ ...common, implementation, variant: "", ep: placement[contract].ep,
-            run: c.kind === "decode" ? decodeOrt(contract, sessions[contract], device, dev)
-              : prefillOrt(contract, sessions[contract], device, dev) });
-        } else {
-          runners.push({ ...common, implementation, variant: "", ep: "none (no kernel)", unavailable: placement[contract].error });
-        }
-      }
-      // warm-ups, then `repeat` rounds of one timed call (or decode loop) each, the order rotated
-      // from round to round so that a slow spell of this shared machine falls on all of them
-      const live = runners.filter((r) => r.run);
-      for (const r of live) {
-        r.times = [];
-        await r.run.warm();
-      }
-      for (let round = 0; round < repeat; round++) {
-        for (let i = 0; i < live.length; i++) {
-          const r = live[(i + round) % live.length];
-          r.times.push(await r.run.timed());
-        }
-      }
+      const runners = caseRunners(c, kernels, sessions, device, dev, variants);
+      await timeRounds(runners, repeat);
       for (const r of runners) {
-        const base = { case: c.name, kind: c.kind, tokens: c.tokens, contract: r.contract, implementation: r.implementation,
-          variant: r.variant, ep: r.ep, tolerance: tol };
-        if (!r.run) {
-          add({ ...base, unavailable: r.unavailable, ok: null, errors: null, ms: null, times: [], tokensPerSecond: null });
-          continue;
-        }
+        if (r.session) r.session.built.push(...r.built);
         const { o, s } = await r.run.result();
         const errors = { output: relativeError(f32(o), f32(expected.o.data)),
           state: relativeError(f32(s), f32(expected[r.stateKey].data)) };
         const ms = median(r.times);
-        add({ ...base, errors, ok: errors.output <= tol && errors.state <= tol, ms, times: r.times,
-          tokensPerSecond: (1000 * tokens) / ms, ...(r.run.stateUpdate ? { stateUpdate: r.run.stateUpdate } : {}) });
+        const row = { case: c.name, kind: c.kind, tokens: c.tokens, contract: r.contract, implementation: r.implementation,
+          variant: r.variant, ep: r.ep, tolerance: tol, errors, ok: errors.output <= tol && errors.state <= tol, ms,
+          times: r.times, tokensPerSecond: (1000 * tokens) / ms, ...(r.run.stateUpdate ? { stateUpdate: r.run.stateUpdate } : {}),
+          ...(r.session ? { programs: r.built.map(programName) } : {}) };
+        rows.push(row);
+        onRow(row);
       }
       for (const b of made) b.destroy();
     }
   } finally {
     // (releasing the last session destroys onnxruntime's device, which it logs: kept apart)
     await capturingLogs(async () => {
-      for (const s of [...Object.values(sessions), laProbe.session, gdnWebgpu.session, gdnWasm?.session]) await s?.release();
+      for (const s of sessions) {
+        await s.session.release();
+        await s.probe.release();
+      }
     });
   }
-  // ratios: card tokens/s over onnxruntime-web's for the same numbers; GatedDeltaNet, where
-  // onnxruntime-web cannot run it (1.31.0-dev: no kernel), against its LinearAttention node (the
-  // same recurrence)
   const ratios = [];
   for (const r of rows.filter((x) => x.implementation.startsWith("card"))) {
-    const same = rows.find((x) => x.case === r.case && x.contract === r.contract && x.implementation.startsWith("onnxruntime") && x.ms);
-    const against = same ?? rows.find((x) => x.case === r.case && x.contract === LA && x.implementation.startsWith("onnxruntime") && x.ms);
-    r.ratio = against ? r.tokensPerSecond / against.tokensPerSecond : null;
-    r.ratioAgainst = against ? against.implementation : null;
-    ratios.push({ case: r.case, contract: r.contract, card: r.implementation, variant: r.variant, ratio: r.ratio, against: r.ratioAgainst });
+    r.ratios = cardRatios(r, rows);
+    for (const x of r.ratios) ratios.push({ case: r.case, contract: r.contract, card: r.implementation, variant: r.variant, ...x });
   }
+  // each session's route: the programs it built over its warm-ups (a session that built none ran
+  // programs an earlier session had built: null)
+  const routes = sessions.map((s) => ({ contract: s.contract, variant: s.variant, file: s.file,
+    programs: [...new Set(s.built.map(programName))], route: s.contract === GDN ? routeOf(s.built) : null }));
+  const placement = Object.fromEntries(sessions.map((s) => [`${s.contract}${s.variant ? ` [${s.variant}]` : ""}`, s.placement]));
   return {
     adapter: [adapterInfo.vendor, adapterInfo.architecture, adapterInfo.description].filter(Boolean).join(" "),
     device: { features: [...device.features], limits: Object.fromEntries(["maxStorageBuffersPerShaderStage",
       "maxComputeWorkgroupStorageSize", "maxComputeInvocationsPerWorkgroup", "maxStorageBufferBindingSize"].map((k) => [k, device.limits[k]])) },
     ort: { versions: ort.env.versions, bundle: "ort.webgpu.bundle.min.mjs", numThreads: ort.env.wasm.numThreads },
-    shape: { B: 1, H, K, V, dtype: index.dtype }, tolerance: tol, repeat, generator: index.generator,
-    placement, rows, ratios, ortShaders: Object.fromEntries(ortShaders),
+    cards: Object.fromEntries(Object.values(kernels).map((k) => [k.metadata.id, { url: new URL(`${k.metadata.id}/`, cardsUrl).href,
+      digests: k.metadata.digests }])),
+    shape: { B: 1, H: index.H, K: index.K, V: index.V, dtype: index.dtype }, tolerance: tol, repeat, generator: index.generator,
+    placement, routes, rows, ratios, ortShaders: Object.fromEntries(ortShaders),
   };
 }
 
 // ---- the page's table -----------------------------------------------------------------------------
 
+const x2 = (v) => `${v.toFixed(2)}x`;
+export const ratioText = (q) => `${x2(q.median)} [${q.min.toFixed(2)}-${q.max.toFixed(2)}] vs ${q.against.replace(/^onnxruntime-web (com\.microsoft\.)?/, "")}`;
+
 export function tableRow(r) {
   const e = (x) => (x == null ? "" : x.toExponential(2));
   return [r.case, r.contract.replace("com.microsoft.", ""), r.implementation + (r.variant ? ` [${r.variant}]` : ""),
-    r.ep ?? "", r.errors ? `${e(r.errors.output)} / ${e(r.errors.state)}` : "",
-    r.unavailable ? "n/a" : r.ok ? "pass" : "FAIL", r.ms == null ? "" : r.ms.toFixed(1),
-    r.tokensPerSecond == null ? "" : r.tokensPerSecond.toFixed(0),
-    r.ratio == null ? "" : `${r.ratio.toFixed(2)}x${r.ratioAgainst && !r.ratioAgainst.endsWith(r.contract) ? " (vs ORT LinearAttention)" : ""}`];
+    (r.ep ?? "") + (r.programs?.length ? ` (built ${[...new Set(r.programs)].join(", ")})` : ""),
+    `${e(r.errors.output)} / ${e(r.errors.state)}`, r.ok ? "pass" : "FAIL", r.ms.toFixed(1), r.tokensPerSecond.toFixed(0),
+    (r.ratios ?? []).map(ratioText).join("; ")];
 }
