@@ -37,9 +37,9 @@ from deltarule.kernels.triton import chunked as tc  # noqa: E402
 from deltarule.kernels.triton import recurrent as tr  # noqa: E402
 
 SHARED_LIMIT = {90: 232448, 80: 166912, 89: 101376}      # bytes per block (opt-in maximum)
-INTS = ("L", "H", "Hk", "Hq", "K", "V", "NC", "W", "B", "T", "CS")
+INTS = ("L", "H", "Hk", "Hq", "K", "V", "NC", "W", "B", "T", "CS", "C")
 NO_SEQ = {"seq": None, "chunks": None}
-STRIDES = ("s0_n", "s0_h", "s0_k", "s0_v", "s_n", "s_h", "s_k", "s_v")
+STRIDES = ("s0_n", "s0_h", "s0_k", "s0_v", "s_n", "s_h", "s_k", "s_v", "c_n", "c_key", "c_delta")
 
 
 def variants(K: int, V: int, dt: str):
@@ -80,18 +80,19 @@ def variants(K: int, V: int, dt: str):
                              BC=tc.SUB, BV=BV, VARLEN=varlen, **({} if varlen else NO_SEQ))))
         for erase_pk in (False, True):
             out.append((f"recurrent decay={'gk' if per_key else 'g'} {'erase/write' if erase_pk else 'beta fused'} "
-                        f"slab{' varlen' if erase_pk else ''}",
+                        f"slab{' varlen capture' if erase_pk else ''}",
                         tr._recurrent_kernel,
                         dict(G=1, HAS_INIT=True, HAS_INDEX=True, VARLEN=erase_pk, **({} if erase_pk else {"seq": None}),
                              HAS_G=not per_key, HAS_GK=per_key, **({"g": None} if per_key else {"gk": None}),
                              **(plain if erase_pk else fused), SIGMOID=not erase_pk, L2NORM=not erase_pk,
                              HAS_ERASE=True, ERASE_PER_KEY=erase_pk, HAS_WRITE=True, WRITE_PER_VALUE=erase_pk,
-                             TOKEN_ROWS=False, tok=None, BK=rec_BK, BV=rec_BV)))
+                             TOKEN_ROWS=False, tok=None, HAS_CAPTURE=erase_pk,
+                             **({} if erase_pk else {"cap": None}), BK=rec_BK, BV=rec_BV)))
     # speculative decoding: per-token state stores into a bfloat16 slab (vLLM's verify step)
     out.append(("recurrent speculative bf16 slab", tr._recurrent_kernel,
                 dict(G=1, HAS_INIT=True, HAS_INDEX=True, VARLEN=True, HAS_G=True, HAS_GK=False, gk=None, **fused,
                      SIGMOID=True, L2NORM=True, HAS_ERASE=True, ERASE_PER_KEY=False, HAS_WRITE=True,
-                     WRITE_PER_VALUE=False, TOKEN_ROWS=True, BK=rec_BK, BV=rec_BV),
+                     WRITE_PER_VALUE=False, TOKEN_ROWS=True, HAS_CAPTURE=False, cap=None, BK=rec_BK, BV=rec_BV),
                 {"S0": "*bf16", "S": "*bf16"}))
     # a bfloat16 state through the chunked state kernel
     out.append(("state decay=g bf16 state", tc._state_kernel,
