@@ -248,3 +248,53 @@ def assert_gradients_match(args: dict, backend: str, tol: float, reference=None)
         errors["d" + name] = err(grad, ref_grads[name].double().cpu().numpy())
     bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= tol}
     assert not bad, f"{backend}: relative errors over {tol:.0e}: {bad}"
+
+
+def poisoned_capture(args: dict, C: int, device="cpu") -> torch.Tensor:
+    """A NaN-filled float32 capture buffer [N, C * (Dw + Hk*K + Hv*V)] for the call `args`
+    (`linear_attention(capture=)`): an entry a backend should have written, or should have
+    left, shows."""
+    import deltarule
+
+    p = deltarule.validate(**args)
+    return torch.full((p.N, C * (p.decay_width + p.Hk * p.K + p.Hv * p.V)), float("nan"), device=device)
+
+
+def check_capture(p, captured, tol: float) -> None:
+    """`p.capture` holds the reference's captured prefix (`reference.solve(p).capture`) of every
+    sequence, relative error per part (decay / key / delta) within `tol` (NaN fails), and NaN
+    past each sequence's count (all of a padding sequence's row)."""
+    count = captured.count.tolist()
+    assert count == [min(p.capacity, s.length) if s.live else 0 for s in p.spans]
+    for name, part, ref in zip(("decay", "key", "delta"), p.capture_parts(),
+                               (captured.decay, captured.key, captured.delta)):
+        got = torch.cat([part[n, :c] for n, c in enumerate(count)])
+        want = np.concatenate([ref[n, :c] for n, c in enumerate(count)])
+        e = err(got, want)
+        assert e <= tol, f"err({name})={e:.2e}"
+        for n, c in enumerate(count):
+            assert torch.isnan(part[n, c:]).all(), f"{name}: sequence {n} wrote past its count {c}"
+
+
+def run_capture(args: dict, C: int, backend: str, tol: float, capture_tol: float):
+    """`backend` on `args` with a NaN-poisoned capture of capacity C (added to `args`): o, the
+    returned state (`tol`, plus a 16-bit state's rounding) and the capture (`capture_tol`)
+    against the float64 reference, and o and the state bit for bit those of the same call
+    without a capture. Returns (o, state, the validated Problem, the reference's Solution)."""
+    import deltarule
+    from deltarule import reference
+
+    plain = {n: (x.clone() if n == "initial_state" else x) for n, x in args.items()}
+    o_plain, state_plain = deltarule.linear_attention(**plain, backend=backend)
+    args["capture"] = poisoned_capture(args, C)
+    p = deltarule.validate(**args)
+    sol = reference.solve(p)
+    ref_state = reference.expected_state(p, sol).numpy()      # before the call: a slab's rows as they were
+    o, state = deltarule.linear_attention(**args, backend=backend)
+    e_o, e_s = rel(o, sol.o), rel(state, ref_state)
+    assert e_o <= tol and e_s <= state_tol(args, tol), f"err(o)={e_o:.2e} err(S)={e_s:.2e}"
+    check_capture(p, sol.capture, capture_tol)
+    assert torch.equal(o, o_plain), "the capture changed o"
+    if "state_indices" not in args:                  # (a verify stores nothing; the plain call did)
+        assert torch.equal(state, state_plain), "the capture changed the state"
+    return o, state, p, sol

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import deltarule
-from conftest import case_id, rel, state_tol
+from conftest import case_id, poisoned_capture, rel, run_capture, state_tol
 from deltarule import cases, reference
 from deltarule.backends import cpu_backend
 
@@ -38,54 +38,6 @@ def ident(case: dict, C: int) -> str:
     """A readable test id: the case's (conftest.case_id), a 16-bit state's dtype, the capacity."""
     state = f"-state_{case['state_dtype']}" if case.get("state_dtype") else ""
     return f"{case_id(case)}{state}-C{C}"
-
-
-def poisoned_capture(args: dict, C: int) -> torch.Tensor:
-    """A NaN-filled float32 capture buffer [N, C * (Dw + Hk*K + Hv*V)] for the call `args`."""
-    p = deltarule.validate(**args)
-    return torch.full((p.N, C * (p.decay_width + p.Hk * p.K + p.Hv * p.V)), float("nan"))
-
-
-def captured_prefix(p, count) -> list[torch.Tensor]:
-    """[decay, key, delta]: each part's captured entries of every sequence (the first count[n]
-    of row n), concatenated."""
-    return [torch.cat([part[n, :c] for n, c in enumerate(count)]) for part in p.capture_parts()]
-
-
-def check_capture(p, cap, tol: float = CAPTURE_TOL) -> None:
-    """The buffer `p.capture` holds the reference's captured prefix `cap` (relative error per
-    part within `tol`; a NaN fails) and NaN everywhere past each sequence's count."""
-    count = cap.count.tolist()
-    assert count == [min(p.capacity, s.length) if s.live else 0 for s in p.spans]
-    refs = (cap.decay, cap.key, cap.delta)
-    for name, got, ref in zip(("decay", "key", "delta"), captured_prefix(p, count), refs):
-        want = np.concatenate([ref[n, :c] for n, c in enumerate(count)])
-        e = rel(got, want)
-        assert e <= tol, f"err({name})={e:.2e}"
-    for name, part in zip(("decay", "key", "delta"), p.capture_parts()):
-        for n, c in enumerate(count):
-            assert torch.isnan(part[n, c:]).all(), f"{name}: sequence {n} wrote past its count {c}"
-
-
-def run_capture(args: dict, C: int, dtype: str = "float32"):
-    """Call the cpu backend on `args` with a NaN-poisoned capture of capacity C (added to
-    `args`); check o, the returned state and the capture against the reference, and that
-    capturing changed no bit of o or of the state (the same call without a capture).
-    Returns (o, state, the validated Problem, the reference's Solution)."""
-    plain = {n: (x.clone() if n == "initial_state" else x) for n, x in args.items()}
-    o_plain, state_plain = deltarule.linear_attention(**plain, backend="cpu")
-    args["capture"] = poisoned_capture(args, C)
-    p = deltarule.validate(**args)
-    sol = reference.solve(p)
-    ref_state = reference.expected_state(p, sol).numpy()     # before the call: a slab's rows as they were
-    o, state = deltarule.linear_attention(**args, backend="cpu")
-    e_o, e_s = rel(o, sol.o), rel(state, ref_state)
-    assert e_o <= TOL[dtype] and e_s <= state_tol(args, TOL[dtype]), f"err(o)={e_o:.2e} err(S)={e_s:.2e}"
-    check_capture(p, sol.capture)
-    assert torch.equal(o, o_plain), "the capture changed o"
-    if "state_indices" not in args:                  # (a verify stores nothing: the plain call did)
-        assert torch.equal(state, state_plain), "the capture changed the state"
-    return o, state, p, sol
 
 
 # (case, C). On AVX2 a tile is 32 value columns, 64 on AVX-512: V = 24 is one partial tile,
@@ -119,7 +71,7 @@ CASES = [
 
 @pytest.mark.parametrize("case,C", [pytest.param(c, C, id=ident(c, C)) for c, C in CASES])
 def test_capture_matches_reference(case, C):
-    run_capture(cases.make_inputs(case, "float32"), C)
+    run_capture(cases.make_inputs(case, "float32"), C, "cpu", TOL["float32"], CAPTURE_TOL)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -129,7 +81,7 @@ def test_capture_matches_reference(case, C):
         (small(B=2, T=1, Hq=2, Hk=2, Hv=4, K=32, V=64, decay="gk", state_dtype="bfloat16"), 1),
     )])
 def test_16_bit_inputs_capture_in_float32(case, C, dtype):
-    run_capture(cases.make_inputs(case, dtype), C, dtype)
+    run_capture(cases.make_inputs(case, dtype), C, "cpu", TOL[dtype], CAPTURE_TOL)
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
@@ -142,7 +94,7 @@ def test_verify_reads_the_slab_and_writes_no_row(T, layout):
                  state_layout=layout, qk_l2norm=True)
     args = cases.make_inputs(case, "float32")
     before = args["initial_state"].clone()
-    o, state, p, sol = run_capture(args, 3)
+    o, state, p, sol = run_capture(args, 3, "cpu", TOL["float32"], CAPTURE_TOL)
     assert all(s.final == -1 for s in p.spans) and (p.plan.token_rows is None or (p.plan.token_rows == -1).all())
     assert state is args["initial_state"] and torch.equal(state, before)
     assert sol.capture.count.tolist() == [min(3, T), 0, min(3, T)]
@@ -168,7 +120,7 @@ def test_replay_reproduces_the_reference_states(case, C):
     """Replaying the first c captured transitions of a row onto its initial state gives the
     reference's state after token c, for every c up to the count."""
     args = cases.make_inputs(case, "float32")
-    _, _, p, sol = run_capture(args, C)
+    _, _, p, sol = run_capture(args, C, "cpu", TOL["float32"], CAPTURE_TOL)
     for n, count in enumerate(sol.capture.count.tolist()):
         for c in range(1, count + 1):
             state = args["initial_state"][n:n + 1].clone()
@@ -187,7 +139,7 @@ def test_replay_after_a_verify_commits_the_accepted_tokens():
     slab = args["initial_state"]
     reads = {n: slab[row].clone() for n, row in enumerate([3, -1, 1]) if row >= 0}
     before = slab.clone()
-    _, _, p, _ = run_capture(args, 4)
+    _, _, p, _ = run_capture(args, 4, "cpu", TOL["float32"], CAPTURE_TOL)
     accepted = [2, 0, 4]
     deltarule.replay(slab, args["capture"], torch.tensor(accepted), key_heads=p.Hk, per_key_decay=True,
                      state_indices=args["state_indices"])

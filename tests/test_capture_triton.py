@@ -12,7 +12,7 @@ comparison. Runs under the Triton interpreter without a CUDA device
 import numpy as np
 import pytest
 
-from conftest import case_id, case_params, err, require_triton
+from conftest import case_id, case_params, check_capture, err, poisoned_capture, require_triton
 
 require_triton()
 
@@ -35,19 +35,12 @@ def small(**over) -> dict:
     return case
 
 
-def poisoned_capture(args: dict, C: int) -> torch.Tensor:
-    """A NaN-filled float32 capture buffer [N, C * (Dw + Hk*K + Hv*V)] for the call `args`."""
-    p = deltarule.validate(**args)
-    width = C * (p.decay_width + p.Hk * p.K + p.Hv * p.V)
-    return torch.full((p.N, width), float("nan"), dtype=torch.float32, device=DEVICE)
-
-
 def run_capture(args: dict, C: int):
     """Call the triton backend on `args` with a NaN-poisoned capture of capacity C (added to
     `args`) and check o, the returned state and the captured prefix of every sequence against
     the reference; every entry past a sequence's count (all of a padding sequence's row) must
     still be NaN. Returns (o, state, the reference's `Captured`)."""
-    args["capture"] = poisoned_capture(args, C)
+    args["capture"] = poisoned_capture(args, C, DEVICE)
     p = deltarule.validate(**args)
     sol = reference.solve(p)
     ref_state = reference.expected_state(p, sol).numpy()     # before the call (a slab's rows)
@@ -56,14 +49,7 @@ def run_capture(args: dict, C: int):
     assert e_o <= TOL and e_s <= TOL, f"err(o)={e_o:.2e} err(S)={e_s:.2e}"
 
     cap = sol.capture
-    assert cap.count.tolist() == [min(C, s.length) if s.live else 0 for s in p.spans]
-    for name, part, ref in zip(("decay", "key", "delta"), p.capture_parts(), (cap.decay, cap.key, cap.delta)):
-        got = torch.cat([part[n, :c] for n, c in enumerate(cap.count.tolist())])
-        want = np.concatenate([ref[n, :c] for n, c in enumerate(cap.count.tolist())])
-        e = err(got, want)
-        assert e <= TOL, f"err({name})={e:.2e}"
-        for n, c in enumerate(cap.count.tolist()):
-            assert torch.isnan(part[n, c:]).all(), f"{name}: sequence {n} wrote past its count {c}"
+    check_capture(p, cap, TOL)
     return o, state, cap
 
 
@@ -123,7 +109,7 @@ def test_kernel_skips_padding_rows():
 
     args = cases.make_inputs(small(B=2, T=3, state_indices=[-1, 2], num_slots=3), "float32", DEVICE)
     C = 2
-    args["capture"] = poisoned_capture(args, C)
+    args["capture"] = poisoned_capture(args, C, DEVICE)
     cap = reference.solve(deltarule.validate(**args)).capture
     q, k, v, g, beta = (args[n] for n in ("q", "k", "v", "g", "beta"))
     recurrent(q.unsqueeze(3), k, v, g, None, beta, beta, args["initial_state"], 1.0,

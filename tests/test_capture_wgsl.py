@@ -10,10 +10,9 @@ padding sequence's row) must still be NaN afterwards. Shapes stay small (lavapip
 
 import dataclasses
 
-import numpy as np
 import pytest
 
-from conftest import case_id, rel, state_tol
+from conftest import case_id, check_capture, poisoned_capture, rel, run_capture
 
 from deltarule.kernels.wgsl import _device
 
@@ -41,47 +40,6 @@ def small(**over) -> dict:
     case = dict(seed=480, B=2, T=5, Hq=2, Hk=2, Hv=2, K=16, V=24, rule="gated_delta", initial_state=True)
     case.update(over)
     return case
-
-
-def poisoned(args: dict, C: int) -> torch.Tensor:
-    """A NaN-filled float32 capture buffer [N, C * (Dw + Hk*K + Hv*V)] for the call `args`."""
-    p = deltarule.validate(**args)
-    return torch.full((p.N, C * (p.decay_width + p.Hk * p.K + p.Hv * p.V)), float("nan"))
-
-
-def check_capture(p, captured) -> None:
-    """`p.capture` holds the reference's captured prefix of every sequence (relative error per
-    part, decay / key / delta, within CAPTURE_TOL; NaN fails) and NaN past each count."""
-    count = captured.count.tolist()
-    assert count == [min(p.capacity, s.length) if s.live else 0 for s in p.spans]
-    for name, part, ref in zip(("decay", "key", "delta"), p.capture_parts(),
-                               (captured.decay, captured.key, captured.delta)):
-        got = torch.cat([part[n, :c] for n, c in enumerate(count)])
-        want = np.concatenate([ref[n, :c] for n, c in enumerate(count)])
-        e = rel(got, want)
-        assert e <= CAPTURE_TOL, f"err({name})={e:.2e}"
-        for n, c in enumerate(count):
-            assert torch.isnan(part[n, c:]).all(), f"{name}: sequence {n} wrote past its count {c}"
-
-
-def run_capture(args: dict, C: int, dtype: str = "float32"):
-    """The wgsl backend on `args` with a NaN-poisoned capture of capacity C (added to `args`):
-    o, the returned state and the capture against the reference, and o and the state bit for
-    bit those of the same call without a capture. Returns (o, state, Problem, Solution)."""
-    plain = {n: (x.clone() if n == "initial_state" else x) for n, x in args.items()}
-    o_plain, state_plain = deltarule.linear_attention(**plain, backend="wgsl")
-    args["capture"] = poisoned(args, C)
-    p = deltarule.validate(**args)
-    sol = reference.solve(p)
-    ref_state = reference.expected_state(p, sol).numpy()      # before the call: a slab's rows as they were
-    o, state = deltarule.linear_attention(**args, backend="wgsl")
-    e_o, e_s = rel(o, sol.o), rel(state, ref_state)
-    assert e_o <= TOL[dtype] and e_s <= state_tol(args, TOL[dtype]), f"err(o)={e_o:.2e} err(S)={e_s:.2e}"
-    check_capture(p, sol.capture)
-    assert torch.equal(o, o_plain), "the capture changed o"
-    if "state_indices" not in args:                  # (a verify stores nothing; the plain call did)
-        assert torch.equal(state, state_plain), "the capture changed the state"
-    return o, state, p, sol
 
 
 @pytest.mark.parametrize("case,dtype", [
@@ -119,13 +77,13 @@ CASES = [
 
 @pytest.mark.parametrize("case,C", [pytest.param(c, C, id=f"{case_id(c)}-C{C}") for c, C in CASES])
 def test_capture_matches_reference(case, C):
-    run_capture(cases.make_inputs(case, "float32"), C)
+    run_capture(cases.make_inputs(case, "float32"), C, "wgsl", TOL["float32"], CAPTURE_TOL)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_16_bit_inputs_capture_in_float32(dtype):
     case = small(B=2, T=4, Hq=2, Hk=2, Hv=4, K=24, V=20, decay="gk", qk_l2norm=True, raw_gate=True)
-    run_capture(cases.make_inputs(case, dtype), 3, dtype)
+    run_capture(cases.make_inputs(case, dtype), 3, "wgsl", TOL[dtype], CAPTURE_TOL)
 
 
 def test_capture_across_dispatch_segments(monkeypatch):
@@ -133,7 +91,7 @@ def test_capture_across_dispatch_segments(monkeypatch):
     transitions of its tokens at their index in the sequence (segments of 3 tokens here)."""
     monkeypatch.setattr(recurrent, "SEGMENT", 3)
     args = cases.make_inputs(small(B=1, T=11, cu_seqlens=[0, 8, 8, 11], decay="gk"), "float32")
-    _, _, p, sol = run_capture(args, 7)
+    _, _, p, sol = run_capture(args, 7, "wgsl", TOL["float32"], CAPTURE_TOL)
     assert sol.capture.count.tolist() == [7, 0, 3]
 
 
@@ -146,14 +104,14 @@ def test_device_slab_verify_reads_the_rows_and_stores_nothing(layout):
                  num_slots=4, decay="gk", state_layout=layout, qk_l2norm=True)
     args = cases.make_inputs(case, "float32")
     rows = args["initial_state"].clone()
-    args["capture"] = poisoned(args, 3)
+    args["capture"] = poisoned_capture(args, 3)
     p = deltarule.validate(**args)
     sol = reference.solve(p)
     args["initial_state"] = WgslStateSlab.from_tensor(rows, layout=layout)
     o, state = deltarule.linear_attention(**args, backend="wgsl")
     assert state is args["initial_state"] and torch.equal(state.download(), rows)
     assert rel(o, sol.o) <= TOL["float32"]
-    check_capture(p, sol.capture)
+    check_capture(p, sol.capture, CAPTURE_TOL)
     assert sol.capture.count.tolist() == [3, 0, 3]
     assert torch.isnan(args["capture"][1]).all() and torch.count_nonzero(o[1]) == 0
 
@@ -163,7 +121,7 @@ def test_torch_slab_verify_stores_nothing():
     case = small(B=3, T=5, state_indices=[3, -1, 1], num_slots=5, decay="g+gk", update="erase_write")
     args = cases.make_inputs(case, "float32")
     before = args["initial_state"].clone()
-    _, state, p, sol = run_capture(args, 4)
+    _, state, p, sol = run_capture(args, 4, "wgsl", TOL["float32"], CAPTURE_TOL)
     assert state is args["initial_state"] and torch.equal(state, before)
     assert sol.capture.count.tolist() == [4, 0, 4]
 
@@ -175,7 +133,7 @@ def test_verify_then_replay_commits_the_accepted_tokens():
                  update="erase_write", qk_l2norm=True)
     args = cases.make_inputs(case, "float32")
     rows = args["initial_state"].clone()
-    args["capture"] = poisoned(args, 4)
+    args["capture"] = poisoned_capture(args, 4)
     args["initial_state"] = WgslStateSlab.from_tensor(rows)
     deltarule.linear_attention(**args, backend="wgsl")
     accepted = [3, 1]
@@ -195,7 +153,7 @@ def test_capture_needs_one_more_storage_buffer(monkeypatch):
     """The capture is one more storage binding: an adapter without it declines the call (with the
     reason), one with exactly enough runs it."""
     args = cases.make_inputs(small(T=2, decay="gk", update="erase_write"), "float32")
-    args["capture"] = poisoned(args, 2)
+    args["capture"] = poisoned_capture(args, 2)
     p = deltarule.validate(**args)
     need = recurrent.bindings_needed(p)
     assert need == 10                                  # table, state, out, q, k, v, gk, erase, write, capture
