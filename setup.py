@@ -16,9 +16,10 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension(
     "deltarule.kernels.cpu._native",
     sources=["deltarule/kernels/cpu/csrc/recurrent.c", "deltarule/kernels/cpu/csrc/backward.c",
-             "deltarule/kernels/cpu/csrc/conv.c", "deltarule/kernels/cpu/csrc/replay.c"],
+             "deltarule/kernels/cpu/csrc/conv.c", "deltarule/kernels/cpu/csrc/replay.c",
+             "deltarule/kernels/cpu/csrc/team.c"],
     depends=["deltarule/kernels/cpu/csrc/vector.h", "deltarule/kernels/cpu/csrc/elements.h",
-             "deltarule/kernels/cpu/csrc/host_threads.h", "deltarule/kernels/cpu/csrc/fields.h"],
+             "deltarule/kernels/cpu/csrc/team.h", "deltarule/kernels/cpu/csrc/fields.h"],
     extra_compile_args=["-O3", "-march=native", "-std=gnu11", "-pthread", "-Wno-psabi"],
     extra_link_args=["-pthread"],
     optional=True,

@@ -18,6 +18,13 @@ from deltarule import cases
 from deltarule.backends import cpu_backend
 from deltarule.check import STORE_TOL
 
+if cpu_backend.available():
+    # Every cpu call runs on the threads it asks for: on a loaded CI machine a stall would send
+    # small calls to the calling thread alone for a while (csrc/team.h) and the tests that split
+    # a call over threads would not. tests/test_threads.py turns the adaptation on to test it.
+    from deltarule.kernels.cpu import recurrent as _cpu_recurrent
+    _cpu_recurrent.adapt_to_contention(False)
+
 CPU = pytest.param("cpu", marks=pytest.mark.skipif(
     not cpu_backend.available(), reason="the cpu backend's native kernel was not built (no C compiler at install time)"))
 

@@ -22,6 +22,7 @@ import importlib.util
 import os
 import struct
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -58,6 +59,12 @@ def _load():
     lib.deltarule_replay.restype = ctypes.c_int
     lib.deltarule_use_host_threads.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.deltarule_use_host_threads.restype = None
+    lib.deltarule_team_state.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+    lib.deltarule_team_state.restype = None
+    lib.deltarule_team_hold.argtypes = [ctypes.c_uint]
+    lib.deltarule_team_hold.restype = None
+    lib.deltarule_team_adapt.argtypes = [ctypes.c_int]
+    lib.deltarule_team_adapt.restype = ctypes.c_int
     PROBLEM.check(lib.deltarule_problem_fields)
     BACKWARD.check(lib.deltarule_backward_problem_fields)
     CONV.check(lib.deltarule_conv_problem_fields)
@@ -88,10 +95,10 @@ def _torch_openmp() -> tuple[int, int] | None:
 def use_threads(kind: str) -> str:
     """Which threads run the kernels' parallel work (the recurrence's tasks, the conv's blocks):
     "openmp", torch's own OpenMP thread pool (the threads of its GEMMs; the default, from
-    env DELTARULE_CPU_THREADS, where torch runs on OpenMP), or "own", threads the kernel keeps
-    (the conv then runs on the calling thread alone). Returns the kind in effect ("own"
-    where torch has no OpenMP runtime). Not while a kernel call runs. Results are the same
-    bits either way.
+    env DELTARULE_CPU_THREADS, where torch runs on OpenMP), or "own", threads the kernels keep.
+    Either way a contended machine makes small calls run on the calling thread alone for a
+    while (`contention`; csrc/team.h). Returns the kind in effect ("own" where torch has no
+    OpenMP runtime). Not while a kernel call runs. Results are the same bits either way.
 
     >>> from deltarule.kernels.cpu import recurrent as cpu_recurrent
     >>> cpu_recurrent.use_threads("own")
@@ -111,6 +118,55 @@ def use_threads(kind: str) -> str:
 def threads_in_use() -> str:
     """The kind `use_threads` put in effect."""
     return _THREADS
+
+
+@dataclass(frozen=True)
+class Contention:
+    """The kernels' view of the machine (csrc/team.h): `stalls`, parallel calls since the last
+    `adapt_to_contention` whose caller waited for a helper the scheduler had not run (longer than
+    its own work and than 1 ms); `solo_s` and `solo_calls`, how long and for how many more
+    small calls those run on the calling thread alone (both must run out); `period_s`, the last
+    such period (0.1 s and 64 calls, doubling while stalls keep coming, up to 2 s and 4096);
+    `held_arrivals`, helpers that arrived at a call while `hold_helpers` held them."""
+
+    stalls: int
+    solo_s: float
+    period_s: float
+    solo_calls: int
+    held_arrivals: int
+
+
+def contention() -> Contention:
+    """The kernels' current `Contention` (process-wide).
+
+    >>> from deltarule.kernels.cpu import recurrent as cpu_recurrent
+    >>> cpu_recurrent.contention().stalls >= 0
+    True
+    """
+    out = (ctypes.c_int64 * 5)()
+    _LIB.deltarule_team_state(out)
+    return Contention(out[0], out[1] / 1e9, out[2] / 1e9, out[3], out[4])
+
+
+def adapt_to_contention(on: bool) -> bool:
+    """Whether small calls fall back to the calling thread alone after a stall (the default: on).
+    Off, every call runs on the threads it is given, as on a machine whose cores are the
+    process's own. Either way the state starts afresh (no stall seen). Returns the previous
+    setting. Not while a kernel call runs.
+
+    >>> from deltarule.kernels.cpu import recurrent as cpu_recurrent
+    >>> was = cpu_recurrent.adapt_to_contention(True)
+    >>> cpu_recurrent.contention().stalls
+    0
+    """
+    return bool(_LIB.deltarule_team_adapt(int(on)))
+
+
+def hold_helpers(mask: int) -> None:
+    """For tests: helper threads whose bit (1 << thread number, 1 and up; 0 is the caller) is set
+    in `mask` stay out of calls until a later call clears it, as helpers the scheduler does not
+    run. 0 releases them all."""
+    _LIB.deltarule_team_hold(mask)
 
 
 _THREADS = "own"

@@ -36,6 +36,7 @@
 
 #include "fields.h"
 #include "vector.h"
+#include "team.h"
 
 typedef struct {
     const float *q, *k, *v;          /* [B, T, Hv/rq, G, K], [B, T, Hv/rk, K], [B, T, Hv, V] */
@@ -397,24 +398,25 @@ typedef struct {
     atomic_int failed;
 } pool;
 
-/* Scratch buffers kept between calls, one per thread slot (a fresh 4 MB buffer is page-faulted
- * in on every call); a call that finds them in use by another allocates its own. */
-#define MAX_THREADS 64
-static struct {
-    pthread_mutex_t busy;
-    void *mem[MAX_THREADS];
-    size_t bytes[MAX_THREADS];
-} kept = {.busy = PTHREAD_MUTEX_INITIALIZER};
+/* A thread's scratch, kept for its next call (freed when the thread exits): a fresh 4 MB buffer
+ * is page-faulted in on every call. Per thread, so concurrent calls never share one. */
+static pthread_key_t kept_key;
+static pthread_once_t kept_once = PTHREAD_ONCE_INIT;
+static __thread struct {
+    void *mem;
+    size_t bytes;
+} kept;
 
-typedef struct {
-    pool *W;
-    int slot;                        /* index into kept, or -1: allocate and free */
-} worker;
-
-static void *work(void *arg)
+static void kept_init(void)
 {
-    const worker *me = arg;
-    pool *W = me->W;
+    pthread_key_create(&kept_key, free);
+}
+
+/* Thread `me` of the call takes (sequence, head) tasks until none is left */
+static void work(void *job, int me)
+{
+    (void)me;                        /* one counter: every thread takes the next task */
+    pool *W = job;
     const bproblem *P = W->P;
     const int64_t K = P->K, G = P->G, C = P->chunk, Vp = (P->V + VEC - 1) / VEC * VEC;
     /* every array starts on a vector boundary: Vp is a multiple of VEC, K-sized ones are padded */
@@ -422,19 +424,17 @@ static void *work(void *arg)
     const int64_t Kp = (K + VEC - 1) / VEC * VEC;
     const int64_t floats = (C + 2) * K * Vp + 4 * CK + 3 * C * Vp + (2 + G) * Vp + GKp + 4 * K * VEC + 4 * Kp;
     const size_t bytes = (sizeof(float) * floats + 63) / 64 * 64;
-    float *mem;
-    if (me->slot >= 0) {
-        if (kept.bytes[me->slot] < bytes) {
-            free(kept.mem[me->slot]);
-            kept.mem[me->slot] = aligned_alloc(64, bytes);
-            kept.bytes[me->slot] = kept.mem[me->slot] ? bytes : 0;
-        }
-        mem = kept.mem[me->slot];
-    } else
-        mem = aligned_alloc(64, bytes);
+    if (kept.bytes < bytes) {
+        pthread_once(&kept_once, kept_init);
+        free(kept.mem);
+        kept.mem = aligned_alloc(64, bytes);
+        kept.bytes = kept.mem ? bytes : 0;
+        pthread_setspecific(kept_key, kept.mem);
+    }
+    float *mem = kept.mem;
     if (!mem) {
         atomic_store(&W->failed, 1);
-        return NULL;
+        return;
     }
     float *f = mem;
     scratch s;
@@ -455,40 +455,21 @@ static void *work(void *arg)
     s.sums = f;
     for (int64_t task = atomic_fetch_add(&W->next, 1); task < P->N * P->Hv; task = atomic_fetch_add(&W->next, 1))
         run_task(P, &s, task / P->Hv, task % P->Hv, Vp);
-    if (me->slot < 0)
-        free(mem);
-    return NULL;
 }
 
-/* Runs every (sequence, head) task on the calling thread and threads - 1 new ones (a
- * backward call is long: thread creation is noise). Returns nonzero if a scratch buffer
- * could not be allocated. */
+/* Runs every (sequence, head) task on the calling thread and up to threads - 1 helpers
+ * (team.h). Returns nonzero if a scratch buffer could not be allocated. */
 int deltarule_backward(const bproblem *P, int threads)
 {
     pool W = {.P = P};
     atomic_init(&W.next, 0);
     atomic_init(&W.failed, 0);
-    if (P->N * P->Hv == 0)           /* no task: no thread, no scratch (threads would be 0 below) */
+    if (P->N * P->Hv == 0)           /* no task: no thread, no scratch */
         return 0;
-    if (threads < 1)
-        threads = 1;
     if (threads > P->N * P->Hv)
         threads = (int)(P->N * P->Hv);
-    if (threads > MAX_THREADS)
-        threads = MAX_THREADS;
-    const int own = pthread_mutex_trylock(&kept.busy) == 0;
-    worker workers[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    for (int i = 0; i < threads; i++)
-        workers[i] = (worker){.W = &W, .slot = own ? i : -1};
-    int started = 1;
-    for (; started < threads; started++)
-        if (pthread_create(&ids[started], NULL, work, &workers[started]))
-            break;
-    work(&workers[0]);
-    for (int i = 1; i < started; i++)
-        pthread_join(ids[i], NULL);
-    if (own)
-        pthread_mutex_unlock(&kept.busy);
+    /* a token's reverse step costs about four forward updates of the state */
+    threads = team_size(threads, 4 * P->T * P->Hv * P->K * P->V);
+    team_run(work, &W, threads);
     return atomic_load(&W.failed);
 }

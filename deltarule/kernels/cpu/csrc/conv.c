@@ -17,7 +17,7 @@
 #include "fields.h"
 #include "vector.h"
 #include "elements.h"
-#include "host_threads.h"
+#include "team.h"
 
 #define MAX_PARTS 4
 
@@ -197,8 +197,9 @@ typedef struct {
     atomic_llong next;
 } conv_pool;
 
-static void conv_work(void *arg)
+static void conv_work(void *arg, int me)
 {
+    (void)me;                   /* one counter: every thread takes the next task */
     conv_pool *J = arg;
     const conv_problem *P = J->P;
     const int64_t H = P->W - 1;
@@ -208,8 +209,8 @@ static void conv_work(void *arg)
     }
 }
 
-/* Runs the call on `threads` threads of the host's OpenMP runtime where one is installed
- * (host_threads.h), else on the calling thread alone. Returns 0, 1 (no memory), 2 (W). */
+/* Runs the call on the calling thread and up to threads - 1 helpers (team.h). Returns 0, 1 (no
+ * memory), 2 (W). */
 int deltarule_conv(const conv_problem *P, int threads)
 {
     const int64_t N = P->N, C = P->C, H = P->W - 1;
@@ -235,11 +236,11 @@ int deltarule_conv(const conv_problem *P, int threads)
     }
     conv_pool J = {.P = P, .prior = prior, .blocks = (C + CB - 1) / CB};
     atomic_init(&J.next, 0);
-    const host_parallel_fn parallel = threads >= 2 ? host_parallel() : NULL;
-    if (parallel)
-        parallel(conv_work, &J, (unsigned)threads, 0);
-    else
-        conv_work(&J);
+    int64_t tokens = 0;
+    for (int64_t n = 0; n < N; n++)
+        tokens += P->seq[5 * n + 1];
+    threads = team_size(threads, tokens * C * P->W);
+    team_run(conv_work, &J, threads);
     free(prior);
     return 0;
 }

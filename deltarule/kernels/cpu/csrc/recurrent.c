@@ -73,14 +73,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
 #include "fields.h"
 #include "vector.h"
-#include "host_threads.h"
+#include "team.h"
 #include "elements.h"
 
 #if VEC == 16
@@ -1125,9 +1124,17 @@ static __thread struct {
     size_t bytes;
 } kept;
 
+static pthread_once_t kept_once = PTHREAD_ONCE_INIT;
+
+static void kept_init(void)
+{
+    pthread_key_create(&kept_key, free);
+}
+
 static void *scratch_memory(size_t bytes)
 {
     if (kept.bytes < bytes) {
+        pthread_once(&kept_once, kept_init);
         free(kept.mem);
         kept.mem = aligned_alloc(64, bytes);
         kept.bytes = kept.mem ? bytes : 0;
@@ -1136,9 +1143,10 @@ static void *scratch_memory(size_t bytes)
     return kept.mem;
 }
 
-/* Thread `me` of the call (0: the caller) works on W's tasks until none is left */
-static void work(pool *W, int me)
+/* Thread `me` of the call (0: the caller) works on the pool's tasks until none is left */
+static void work(void *job, int me)
 {
+    pool *W = job;
     const problem *P = W->P;
     const int64_t K = P->K, G = P->G, tiles = (P->V + TILE - 1) / TILE;
     const int64_t acc = ((G + 2) * P->V + 15) / 16 * 16;
@@ -1174,109 +1182,6 @@ static void work(pool *W, int me)
     __atomic_thread_fence(__ATOMIC_SEQ_CST);   /* orders the streaming stores before the join */
 }
 
-/* The helper threads, kept between calls (creating a thread costs tens of microseconds).
- * On these VMs a wake-up is slow: the signal costs the caller ~10 us and the helper
- * arrives ~15-30 us later (an idle vCPU is woken), a large part of a B = 1 decode (~30 us
- * of tasks on two threads). So a helper that finishes a call spins a while, watching for
- * the next one, before it blocks, and the caller signals only helpers that sleep. How long:
- * twice the recent gap between calls (an average the caller keeps), when that is under
- * HELPER_SPIN_NS, else not at all: calls back to back (a benchmark, a model's layers with
- * little between them) find their helpers awake, while a helper never spins through the
- * torch work between calls that are far apart (with a 0.1 ms GEMM on both cores between
- * B = 1 calls, a fixed 100 us spin cost more than the second thread saved). And the call
- * never waits for a helper to arrive: once the calling thread finds no task left it
- * closes the call, a helper that arrives later stays out, and the caller waits only for
- * those that joined, spinning up to JOIN_SPIN_NS for their last task before it blocks
- * (being woken would cost it another ~15 us). One call at a time uses them; a concurrent
- * call runs on its own thread alone. A forked child starts with none. */
-#define JOIN_SPIN_NS 50000
-#define HELPER_SPIN_NS 50000
-static struct {
-    pthread_mutex_t busy;            /* held by the call that uses the helpers */
-    pthread_mutex_t m;
-    pthread_cond_t go, done;
-    int started;                     /* helper threads alive */
-    int wanted;                      /* helpers asked to join this call */
-    atomic_int active;               /* helpers working on it (changed under m) */
-    int open;                        /* the call still takes helpers */
-    int sleeping;                    /* helpers blocked on go (changed under m) */
-    int64_t last_end;                /* when the last call with helpers ended (ns; under busy) */
-    atomic_llong gap;                /* the recent gap between such calls (ns, an average) */
-    atomic_long generation;          /* bumped per call (under m; spinning helpers read it without) */
-    pool *job;
-} team;
-static pthread_once_t team_once = PTHREAD_ONCE_INIT;
-
-static inline int64_t now_ns(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1000000000L + t.tv_nsec;
-}
-
-static inline void spin_pause(void)
-{
-#if defined(__SSE2__)
-    _mm_pause();
-#endif
-}
-
-static void team_reset(void)
-{
-    pthread_mutex_init(&team.busy, NULL);
-    pthread_mutex_init(&team.m, NULL);
-    pthread_cond_init(&team.go, NULL);
-    pthread_cond_init(&team.done, NULL);
-    team.started = team.wanted = team.open = team.sleeping = 0;
-    team.last_end = 0;
-    atomic_init(&team.gap, HELPER_SPIN_NS);
-    atomic_init(&team.active, 0);
-    atomic_init(&team.generation, 0);
-    team.job = NULL;
-}
-
-static void team_init(void)
-{
-    pthread_key_create(&kept_key, free);
-    team_reset();
-    pthread_atfork(NULL, NULL, team_reset);
-}
-
-static void *helper(void *arg)
-{
-    const int id = (int)(intptr_t)arg;
-    long seen = 0;
-    pthread_mutex_lock(&team.m);
-    for (;;) {
-        const int64_t gap = atomic_load(&team.gap);
-        if (atomic_load(&team.generation) == seen && gap < HELPER_SPIN_NS) {  /* spin for the next call */
-            pthread_mutex_unlock(&team.m);
-            const int64_t t0 = now_ns();
-            do
-                for (int i = 0; i < 64 && atomic_load_explicit(&team.generation, memory_order_relaxed) == seen; i++)
-                    spin_pause();
-            while (atomic_load(&team.generation) == seen && now_ns() - t0 < 2 * gap);
-            pthread_mutex_lock(&team.m);
-        }
-        while (atomic_load(&team.generation) == seen) {
-            team.sleeping++;
-            pthread_cond_wait(&team.go, &team.m);
-            team.sleeping--;
-        }
-        seen = atomic_load(&team.generation);
-        if (id < team.wanted && team.open) {
-            pool *job = team.job;
-            team.active++;
-            pthread_mutex_unlock(&team.m);
-            work(job, id + 1);
-            pthread_mutex_lock(&team.m);
-            if (--team.active == 0 && !team.open)
-                pthread_cond_signal(&team.done);
-        }
-    }
-    return NULL;
-}
-
 /* The flat index of the first element of x[0:n] (type) above zero, or -1 (NaN is not) */
 static int64_t first_positive(const void *x, int64_t n, int type)
 {
@@ -1295,36 +1200,10 @@ static int64_t first_positive(const void *x, int64_t n, int type)
     return -1;
 }
 
-/* The host's OpenMP runtime (host_threads.h), installed by the binding; NULL: none */
-static host_parallel_fn installed_parallel;
-static host_thread_num_fn installed_thread_num;
-
-/* Installs (or with NULLs removes) the host's OpenMP runtime; not while a kernel call runs */
-void deltarule_use_host_threads(void *parallel, void *thread_num)
-{
-    __atomic_store_n(&installed_thread_num, (host_thread_num_fn)thread_num, __ATOMIC_SEQ_CST);
-    __atomic_store_n(&installed_parallel, (host_parallel_fn)(thread_num ? parallel : NULL), __ATOMIC_SEQ_CST);
-}
-
-host_parallel_fn host_parallel(void)
-{
-    return __atomic_load_n(&installed_parallel, __ATOMIC_ACQUIRE);
-}
-
-int host_thread_num(void)
-{
-    return __atomic_load_n(&installed_thread_num, __ATOMIC_ACQUIRE)();
-}
-
-/* A parallel region of the host's runtime: its thread number picks the thread's block */
-static void host_region(void *W)
-{
-    work(W, host_thread_num());
-}
-
 /* Runs every (sequence, head) task on the calling thread and up to threads - 1
- * helpers (the host's OpenMP threads where installed, else the kernel's own), sharing
- * the tasks through atomic counters (any number of threads completes them). Returns 0, 1 if a buffer could not be allocated (some tasks
+ * helpers (team.h: the host's OpenMP threads where installed, else the kernel's own, fewer
+ * on a contended machine), sharing the tasks through atomic counters (any number of threads
+ * completes them). Returns 0, 1 if a buffer could not be allocated (some tasks
  * then did not run); before any work, 4 if an operand meets the slab
  * (slab_bytes), or with check_decay 2 (3) if g (gk) holds a positive log decay
  * (*bad says where). */
@@ -1355,58 +1234,8 @@ int deltarule_recurrent(const problem *P, int threads)
         threads = (int)W.tasks;
     if (threads > MAX_BLOCKS)
         threads = MAX_BLOCKS;
-    pthread_once(&team_once, team_init);
-    const host_parallel_fn parallel = threads >= 2 ? host_parallel() : NULL;
-    if (parallel) {                  /* the region's threads number 0 (the caller) to threads - 1 */
-        split(&W, threads);
-        parallel(host_region, &W, (unsigned)threads, 0);
-        return atomic_load(&W.failed);
-    }
-    if (threads < 2 || pthread_mutex_trylock(&team.busy) != 0) {
-        split(&W, 1);
-        work(&W, 0);
-        return atomic_load(&W.failed);
-    }
-    const int64_t start = now_ns();
-    if (team.last_end) {             /* the recent gap between calls: how long helpers spin */
-        const int64_t gap = start - team.last_end, was = atomic_load(&team.gap);
-        atomic_store(&team.gap, (3 * was + (gap < 10 * HELPER_SPIN_NS ? gap : 10 * HELPER_SPIN_NS)) / 4);
-    }
-    pthread_mutex_lock(&team.m);
-    for (; team.started < threads - 1; team.started++) {
-        pthread_t id;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        const int fail = pthread_create(&id, &attr, helper, (void *)(intptr_t)team.started);
-        pthread_attr_destroy(&attr);
-        if (fail)
-            break;
-    }
-    team.wanted = threads - 1 < team.started ? threads - 1 : team.started;
-    split(&W, 1 + team.wanted);
-    team.open = 1;
-    team.job = &W;
-    atomic_fetch_add(&team.generation, 1);
-    if (team.sleeping)               /* the spinning ones see the generation */
-        pthread_cond_broadcast(&team.go);
-    pthread_mutex_unlock(&team.m);
-    work(&W, 0);
-    pthread_mutex_lock(&team.m);
-    team.open = 0;                   /* every task is taken: a helper still on its way stays out */
-    pthread_mutex_unlock(&team.m);
-    struct timespec t0, t;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    do
-        for (int i = 0; i < 64 && atomic_load(&team.active) > 0; i++)
-            spin_pause();
-    while (atomic_load(&team.active) > 0 && clock_gettime(CLOCK_MONOTONIC, &t) == 0
-           && (t.tv_sec - t0.tv_sec) * 1000000000L + (t.tv_nsec - t0.tv_nsec) < JOIN_SPIN_NS);
-    pthread_mutex_lock(&team.m);
-    while (team.active > 0)
-        pthread_cond_wait(&team.done, &team.m);
-    pthread_mutex_unlock(&team.m);
-    team.last_end = now_ns();
-    pthread_mutex_unlock(&team.busy);
+    threads = team_size(threads, P->tokens * P->Hv * P->K * P->V);
+    split(&W, threads);
+    team_run(work, &W, threads);
     return atomic_load(&W.failed);
 }
