@@ -1,5 +1,6 @@
 """`deltarule bench`: case selection, bench.json, and a tiny end-to-end run."""
 
+import contextlib
 import json
 
 import pytest
@@ -114,6 +115,35 @@ def test_cold_decode_cycles_through_copies_of_its_inputs(tmp_path, capsys, monke
     assert copies == {"tiny-prefill": 1, **{n: -(-2 * (1 << 20) // report.state_bytes(c)) for n, c in tiny.items()}}
     for r in data["results"]:
         assert all(p["status"] == "skipped" or p["match"] for p in r["peers"].values())
+
+
+def test_load_spins_processes_for_the_run_and_ends_them(tmp_path, capsys, monkeypatch):
+    """--load 2: two spinning processes run while the cases are timed (alive inside the run),
+    none is left after it, and the report and the JSON say so."""
+    import deltarule.bench as bench
+    from deltarule.bench import load
+
+    started, seen = [], []
+    real_busy, real_run = load.busy, bench.run
+
+    def busy(n):
+        with real_busy(n) as spinners:
+            started.extend(spinners)
+            yield spinners
+
+    def run(cases, args):
+        seen.extend(p.poll() for p in started)         # None: still running
+        return real_run(cases, args)
+
+    monkeypatch.setattr(bench, "busy", contextlib.contextmanager(busy))
+    monkeypatch.setattr(bench, "run", run)
+    out_json = tmp_path / "bench.json"
+    assert cli.main(["bench", "--case", "tiny-decode", "--repeat", "1", "--budget", "0.05", "--load", "2",
+                     "--json", str(out_json)]) == 0
+    assert len(started) == 2 and seen == [None, None]
+    assert all(p.poll() is not None for p in started)
+    assert "--load: 2 processes spinning for the whole run" in capsys.readouterr().out
+    assert json.loads(out_json.read_text())["meta"]["busy_processes"] == 2
 
 
 def test_bench_unknown_case_exits_2(capsys, monkeypatch):
@@ -284,10 +314,9 @@ def test_interleaved_rounds_rotate_and_pair_samples(monkeypatch):
 
     monkeypatch.setattr(timing, "PAUSE_SECONDS", 0.0)
     monkeypatch.setattr(timing, "WARMUP_SECONDS", 0.0)
-    monkeypatch.setattr(timing, "BATCH_SECONDS", 0.0)
     order = []
     fns = {name: (lambda name=name: order.append(name) or name) for name in "abc"}
-    timings = timing.interleaved(fns, repeat=3, budget=10.0)
+    timings = timing.interleaved(fns, repeat=3, budget=10.0, batch_seconds=0.0)
     assert {n: t.result for n, t in timings.items()} == {"a": "a", "b": "b", "c": "c"}
     assert order[3:] == list("abc" "bca" "cab")            # after one warm-up call each
     assert all(len(t.samples) == 3 for t in timings.values())

@@ -310,6 +310,7 @@ def test_usage_errors_exit_2_without_a_traceback(capsys, monkeypatch):
                          (export, "onnx")):    # an option let through fails at once, not after a long run
         monkeypatch.setattr(module, name, _must_not_run(f"{module.__name__}.{name}"))
     for argv in (["bench", "--threads", "-1"], ["bench", "--repeat", "two"], ["bench", "--budget", "nan"],
+                 ["bench", "--load", "-1"], ["bench", "--load", "one"],
                  ["bench", "--budget", "inf"], ["bench", "--repeat", "0"], ["bench", "--dtype", "float64"],
                  ["bench", "--model", "nope"], ["check", "--backend", "nope"], ["check", "--dtype", "float64"],
                  ["card", "export"], ["card", "export", "x", "--only", "nope"], ["export", "onnx", "m"],

@@ -30,9 +30,10 @@ from ..backends import names as backend_names
 from ..cases import DTYPES, bench_cases, make_inputs
 from ..check import STORE_TOL
 from . import compact, report
+from .load import busy
 from .model import MODELS
 from .peers import PEERS, Skip
-from .timing import BATCH_SECONDS, PAUSE_SECONDS, WARMUP_SECONDS, interleaved, measure, paired
+from .timing import BATCH_SECONDS, LOADED_BATCH_SECONDS, PAUSE_SECONDS, WARMUP_SECONDS, interleaved, measure, paired
 
 # --cold: at most this many copies of a case's inputs.
 MAX_INPUT_COPIES = 64
@@ -72,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a transformers hybrid model of realistic layer sizes (random weights) end to end: "
                              "prefill and greedy-decode tokens/s on transformers' fallback and on deltarule, "
                              "and the share of time in the linear-attention layers (one of: %(choices)s)")
+    parser.add_argument("--load", type=_at_least_zero, default=0, metavar="N",
+                        help="run N processes that spin on the CPU for the whole run, as other jobs on a "
+                             "shared machine do (default 0; the report says how many ran)")
     parser.add_argument("--plot", metavar="FILE.png", help="save a bar chart of the times")
     parser.add_argument("--json", metavar="FILE", help="write machine-readable results")
 
@@ -84,6 +88,11 @@ def main(args: argparse.Namespace) -> int:
     line, exit status 2) instead of failing after the run.
     """
     cases = check_options(args)
+    with busy(args.load):
+        return _run(args, cases)
+
+
+def _run(args: argparse.Namespace, cases: list[dict] | None) -> int:
     if args.model:
         from . import model
 
@@ -103,7 +112,10 @@ def main(args: argparse.Namespace) -> int:
     peer_names = [p.name for p in PEERS]
     meta = _meta(args)
     meta["copy_gb_per_s"] = copy_bandwidth()
+    stalls = _cpu_stalls()
     results = run(cases, args)
+    if stalls is not None:
+        meta["cpu_kernel_stalls"] = _cpu_stalls() - stalls
     print(report.table(results, meta, peer_names))
     _write_json(args.json, {"meta": meta, "results": results})
     if args.plot:
@@ -239,7 +251,7 @@ def run_case(case: dict, args: argparse.Namespace, absent: dict, progress: "_Pro
             runs[peer.name], peers[peer.name] = checked
     kernel = mine.pop("kernel", None)
     progress.show(f"{case['name']}: timing {len(mine) + len(runs)} implementations, interleaved")
-    timings = interleaved({**mine, **runs}, args.repeat, args.budget)
+    timings = interleaved({**mine, **runs}, args.repeat, args.budget, _batch_seconds(args))
     serving = timings.get("plan", timings["call"])
     entry = _times(timings["call"])
     entry.update(report.throughput(case, serving.median))
@@ -406,15 +418,28 @@ def _one_line(e: BaseException) -> str:
 def _meta(args) -> dict:
     return {
         "deltarule": __version__, "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(), "load_avg_at_start": _load_average(),
+        "cpus": os.cpu_count(), "load_avg_at_start": _load_average(), "busy_processes": args.load,
         "dtype": args.dtype, "backend": args.backend, "cold": args.cold,
         "last_level_cache_bytes": LAST_LEVEL_CACHE_BYTES,
         "peers": {n: _version(n) for n in ("transformers", "onnxruntime")},
         "legends": [p.legend for p in PEERS],
         "flop_model": report.FLOP_MODEL, "bytes_model": report.BYTES_MODEL,
         "ratio": report.RATIO_NOTE,
-        "timing": report.timing_note(PAUSE_SECONDS, WARMUP_SECONDS, BATCH_SECONDS),
+        "timing": report.timing_note(PAUSE_SECONDS, WARMUP_SECONDS, _batch_seconds(args)),
     }
+
+
+def _batch_seconds(args: argparse.Namespace) -> float:
+    """A sample's least length: longer on a machine --load makes busy (timing.LOADED_BATCH_SECONDS)."""
+    return LOADED_BATCH_SECONDS if args.load else BATCH_SECONDS
+
+
+def _cpu_stalls() -> int | None:
+    """The cpu kernels' stalls so far (csrc/team.h: parallel calls that waited for a helper the
+    scheduler had not run), or None without the native kernel."""
+    from ..kernels.cpu import recurrent as cpu_recurrent
+
+    return cpu_recurrent.contention().stalls if cpu_recurrent.available() else None
 
 
 def _load_average() -> float | None:
@@ -430,6 +455,13 @@ def _version(dist: str) -> str:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return "absent"
+
+
+def _at_least_zero(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0: {text}")
+    return value
 
 
 def _positive(kind):

@@ -120,7 +120,12 @@ def _cache_line(meta: dict) -> str:
 def _load_line(meta: dict) -> str:
     load = meta["load_avg_at_start"]
     text = f"load average {load:.2f} at start" if load is not None else "load average unknown"
-    return f"{text} on {meta['cpus']} CPUs (other busy processes slow the torch paths most)"
+    busy = meta.get("busy_processes", 0)
+    spinning = f"; --load: {busy} process{'es' * (busy != 1)} spinning for the whole run" if busy else ""
+    stalls = meta.get("cpu_kernel_stalls")
+    seen = "" if stalls is None else (f"; the cpu kernels saw {stalls} stall{'s' * (stalls != 1)} (a call waiting "
+                                      f"for a helper the scheduler had not run: small calls then ran alone a while)")
+    return f"{text} on {meta['cpus']} CPUs{spinning}{seen} (other busy processes slow the torch paths most)"
 
 
 def _copy_line(meta: dict) -> str:

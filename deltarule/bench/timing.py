@@ -31,6 +31,11 @@ from typing import Any, Callable
 WARMUP_SECONDS = 0.1
 # A sample covers at least this long: calls shorter than that are timed in batches.
 BATCH_SECONDS = 0.01
+# ... and this long on a busy machine (`deltarule bench --load`): a scheduler quantum there (a
+# descheduled thread, 1-12 ms on the 2-core VM) is then a tenth of a sample at most, and a
+# sample is the mean cost of a call, stalls included (with 10 ms batches of a few slow calls a
+# single stall decided a sample: per-round ratios spread over 100x).
+LOADED_BATCH_SECONDS = 0.1
 # `interleaved`: the pause before each batch (spinning threads go idle within it).
 PAUSE_SECONDS = 0.02
 
@@ -81,10 +86,12 @@ def measure(fn: Callable[[], Any], repeat: int, budget: float) -> Timing:
     return Timing(result, samples)
 
 
-def interleaved(fns: dict[str, Callable[[], Any]], repeat: int, budget: float) -> dict[str, Timing]:
+def interleaved(fns: dict[str, Callable[[], Any]], repeat: int, budget: float,
+                batch_seconds: float = BATCH_SECONDS) -> dict[str, Timing]:
     """Time every callable of `fns` in up to `repeat` rounds (module docstring): each is warmed up
     in turn as `measure` does (its first return value kept), then every round takes one batch of
-    each, in the order rotated by one per round, after a PAUSE_SECONDS sleep. Rounds stop once
+    each (of calls lasting at least `batch_seconds`), in the order rotated by one per round,
+    after a PAUSE_SECONDS sleep. Rounds stop once
     `budget` seconds per callable have gone by (at least one round always runs). Every Timing
     has the same number of samples, the i-th from round i."""
     names = list(fns)
@@ -97,7 +104,7 @@ def interleaved(fns: dict[str, Callable[[], Any]], repeat: int, budget: float) -
         while time.perf_counter() - start < WARMUP_SECONDS:
             fn()
             calls += 1
-        batches[name] = max(1, math.ceil(BATCH_SECONDS / ((time.perf_counter() - start) / calls)))
+        batches[name] = max(1, math.ceil(batch_seconds / ((time.perf_counter() - start) / calls)))
     samples: dict[str, list[float]] = {name: [] for name in names}
     start = time.perf_counter()
     for round_ in range(repeat):
