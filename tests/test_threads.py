@@ -32,7 +32,7 @@ from conftest import gradients, small_case
 pytestmark = pytest.mark.skipif(not cpu_backend.available(), reason="the cpu backend's native kernel was not built")
 
 HELPER = 1 << 1          # hold_helpers' bit of the first helper (thread 1; 0 is the caller)
-WATCHDOG_S = 60.0        # a call still running after this long waited for a held helper
+WATCHDOG_S = 10.0        # a call still running after this long waited for a held helper
 RELEASE_S = 0.3          # the OpenMP test releases its held helper after this long
 
 
@@ -81,7 +81,7 @@ def _wait_for_arrival(before: int) -> None:
         if cpu_recurrent.contention().held_arrivals > before:
             return
         done.wait(0.01)
-    pytest.fail("the held helper never arrived at the call: the call did not ask for it")
+    pytest.fail(f"the held helper never arrived at the call: the call did not ask for it ({cpu_recurrent.contention()})")
 
 
 def _decodes(n: int) -> list:

@@ -22,17 +22,19 @@
  * first call after a 20 ms pause waited > 1 ms one time in ten), once; the calls after it find
  * them awake. Contention shows on calls close together: a model's layers, a decode loop. */
 #define IDLE_NS 2000000
-/* A stall that comes within PROBE_CALLS parallel small calls of the last one (or of the
- * adaptation's start) is contention: small calls then run alone for a period, this long and
- * this many of them (both), doubled for every such stall, up to SOLO_MAX_NS and SOLO_MAX_CALLS.
- * A stall after more parallel calls is an accident, and starts over. A stall costs 4-12 ms on
- * a loaded 2-core VM, a B = 1 decode alone ~40 us more than on two threads: parallel small calls
- * pay only where fewer than ~1 in 100 stall. On that VM, quiet, 1 in 150 back-to-back calls
- * waited over 1 ms; with every stall starting a period the calls ran alone most of the time
- * (B = 1 decode 1.3x slower in `deltarule bench`), with a bound relative to the period it grew
- * to the maximum. A period of 10 ms paid a stall per probe more than it won back; calls far
- * apart (a GEMM between) need the count. Under a constant load this costs a stall per period. */
-#define PROBE_CALLS 128
+/* A stall that comes within PROBE_STEPS of parallel small work (state-element steps, as
+ * team_size counts them) after the last one (or the adaptation's start) means the machine is
+ * contended: small calls then run alone for a period, this long and this many of them (both),
+ * doubled for every such stall, up to SOLO_MAX_NS and SOLO_MAX_CALLS. A stall after more work is
+ * an accident, and starts over. Why work, not calls: a stall costs 4-12 ms on a loaded 2-core
+ * VM, and a call's second thread saves time in proportion to its work (B = 1 16-head decode,
+ * 2^18 steps: ~40 us; B = 8: ~300 us), so parallel calls pay where a stall comes less often than
+ * once per 2^25 steps of them (128 B = 1 decodes, 16 B = 8 ones). On that VM, quiet, 1 in 150
+ * calls took over 1 ms: with a fixed count of 128 calls B = 8 decode ran alone most of the time
+ * (1.5x slower in `deltarule bench`); with every stall starting a period, so did B = 1. A period
+ * of 10 ms paid a stall per probe more than it won back; calls far apart (a GEMM between) need
+ * the count. Under a constant load this costs a stall per period. */
+#define PROBE_STEPS (1LL << 25)
 #define SOLO_MIN_NS 100000000LL
 #define SOLO_MAX_NS 2000000000LL
 #define SOLO_MIN_CALLS 64
@@ -63,7 +65,7 @@ static struct {
     atomic_llong solo_until;         /* small calls run alone until then (ns) */
     atomic_llong period;             /* the last solo period (ns) */
     atomic_llong calls;              /* small calls left to run alone */
-    atomic_llong probes;             /* small calls run in parallel since the last stall */
+    atomic_llong probes;             /* steps of small calls run in parallel since the last stall */
     atomic_llong last_end;           /* when the last parallel call ended (ns) */
     atomic_llong stalls;             /* stalls seen since the process started */
 } contention = {.adapt = 1};
@@ -94,7 +96,7 @@ int team_size(int threads, int64_t steps)
     if (atomic_load_explicit(&contention.calls, memory_order_relaxed) > 0)
         atomic_fetch_sub_explicit(&contention.calls, 1, memory_order_relaxed);
     else if (atomic_load_explicit(&contention.solo_until, memory_order_relaxed) <= now_ns()) {
-        atomic_fetch_add_explicit(&contention.probes, 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&contention.probes, steps, memory_order_relaxed);
         return threads;
     }
     return fit > 1 ? (int)fit : 1;
@@ -116,7 +118,7 @@ static void note_wait(int64_t start, int64_t begun, int64_t done, int64_t end)
     if (wait < STALL_MIN_NS || wait <= done - begun || start - last > IDLE_NS || !atomic_load(&contention.adapt))
         return;
     atomic_fetch_add(&contention.stalls, 1);
-    if (atomic_exchange(&contention.probes, 0) >= PROBE_CALLS) {
+    if (atomic_exchange(&contention.probes, 0) >= PROBE_STEPS) {
         atomic_store(&contention.period, 0);
         return;
     }

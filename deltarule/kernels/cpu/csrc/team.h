@@ -7,14 +7,16 @@
  *   then returns without it; it waits only for tasks a helper took.
  * - Where the host's OpenMP runtime is installed (torch's pool: its threads run the GEMMs
  *   between calls, and a thread of the kernel's own would compete with them), a call is a
- *   parallel region of that runtime, whose end is a barrier: it waits for every thread of the
- *   region to arrive, also one the scheduler has not run yet (a busy machine: a scheduler
- *   quantum, milliseconds). So the team measures each parallel call: when the caller, done with
- *   its work, waited longer than that work took and longer than STALL_MIN_NS, the machine is
- *   contended, and calls too small to hide such a wait (team_size: below
- *   CONTENDED_STEPS_PER_THREAD per thread) run on the calling thread alone for a while (from
- *   SOLO_MIN_NS, doubling while stalls keep coming, to SOLO_MAX_NS), then try their helpers
- *   again. The same holds on the own helpers (a helper preempted with a task in hand).
+ *   parallel region of that runtime, whose start and end wait for every thread of the region,
+ *   also one the scheduler has not run yet (a busy machine: a scheduler quantum, milliseconds).
+ *   So the team measures each parallel call: when the caller waited, outside its own work,
+ *   longer than that work took and longer than STALL_MIN_NS (a call soon after the last
+ *   parallel one: after an idle gap the wait is a wake-up), that is a stall; a stall within
+ *   PROBE_STEPS of parallel work after the last one means the machine is contended, and calls too
+ *   small to hide a stall (team_size: below CONTENDED_STEPS_PER_THREAD per thread) run on the
+ *   calling thread alone for a period (SOLO_MIN_NS and SOLO_MIN_CALLS, doubling while such
+ *   stalls keep coming, up to SOLO_MAX_NS and SOLO_MAX_CALLS), then try their helpers again. The
+ *   same holds on the own helpers (a helper preempted with a task in hand).
  */
 #ifndef DELTARULE_TEAM_H
 #define DELTARULE_TEAM_H
