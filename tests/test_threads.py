@@ -5,9 +5,9 @@
   kernels' own threads from finishing a call (recurrence, conv, backward), and the bits are those
   of one thread;
 - on torch's OpenMP pool, whose parallel region waits for all its threads, a call that waited
-  for a held helper is seen as a stall, and small calls then run on the calling thread alone (a
-  later call with the helper still held completes), while a call large enough to hide a stall
-  keeps its helpers (the held helper arrives at it).
+  for a held helper is seen as a stall; after two close together small calls run on the calling
+  thread alone (a later call with the helper still held completes), while a call large enough to
+  hide a stall keeps its helpers (the held helper arrives at it).
 
 A call that waits for a held helper would never return: each runs under `_completes`, which
 releases the helpers and fails the test after WATCHDOG_S.
@@ -148,28 +148,35 @@ def _hold_for(seconds: float) -> None:
     threading.Timer(seconds, cpu_recurrent.hold_helpers, (0,)).start()
 
 
-def _stall(first, stalled):
-    """first() and then, back to back on one thread, stalled() with helper 1 held until RELEASE_S
-    from now: a stall (a call more than 2 ms after the last parallel one is not judged, and a
-    Python thread takes up to 5 ms to start: the two run on the same one)."""
-    threading.Timer(RELEASE_S, cpu_recurrent.hold_helpers, (0,)).start()
+def _stalls(first, *stalled):
+    """first() and then, back to back on one thread, each of `stalled` with helper 1 held until
+    its release (RELEASE_S apart, from now): as many stalls in a row (a call more than 2 ms after
+    the last parallel one is not judged, and a Python thread takes up to 5 ms to start, so none
+    is started between them). Returns the first call's result and `contention()` after each
+    stalled call."""
+    for i in range(len(stalled)):
+        threading.Timer(RELEASE_S * (i + 1), cpu_recurrent.hold_helpers, (0,)).start()
 
-    def both():
-        first()
-        cpu_recurrent.hold_helpers(HELPER)
-        return stalled()
-    return _completes(both)
+    def run():
+        result, seen = first(), []
+        for call in stalled:
+            cpu_recurrent.hold_helpers(HELPER)
+            call()
+            seen.append(cpu_recurrent.contention())
+        return result, seen
+    return _completes(run)
 
 
 def test_openmp_stall_sends_small_calls_to_the_caller_alone(two_threads):
     """torch's pool: a region waits for its held helper (released after RELEASE_S): a stall.
-    Then a small call (B = 1 decode) with the helper held again completes alone, with the same
-    bits; with the adaptation off, the same call asks for the helper again (and waits for it)."""
+    After a second close to it a small call (B = 1 decode) with the helper held again completes
+    alone, with the same bits; with the adaptation off, the same call asks for the helper again
+    (and waits for it). (That one stall alone changes nothing is not asserted: on a loaded
+    machine the calls around it may stall too.)"""
     assert cpu_recurrent.use_threads("openmp") == "openmp", "torch has no OpenMP runtime here"
-    first, stalled, alone, again = _decodes(4)
-    want = _stall(first, stalled)
-    seen = cpu_recurrent.contention()
-    assert seen.stalls == 1 and seen.solo_calls > 0, seen
+    first, stalled, stalled_again, alone, again = _decodes(5)
+    want, (_, seen) = _stalls(first, stalled, stalled_again)
+    assert seen.stalls >= 2 and seen.solo_calls > 0, seen
     cpu_recurrent.hold_helpers(HELPER)               # now never released while the call runs
     before = seen.held_arrivals
     got = _completes(alone)
@@ -186,10 +193,10 @@ def test_openmp_stall_keeps_large_calls_on_their_threads(two_threads):
     """After a stall, a prefill of 2^27 state-element steps (a stall is small beside it) still
     takes its helper: the held helper arrives at it (released after RELEASE_S)."""
     assert cpu_recurrent.use_threads("openmp") == "openmp", "torch has no OpenMP runtime here"
-    first, stalled = _decodes(2)
+    first, *stalled = _decodes(3)
     prefill = _prefill(512)
-    _stall(first, stalled)
-    assert cpu_recurrent.contention().stalls == 1
+    _, seen = _stalls(first, *stalled)
+    assert seen[-1].solo_calls > 0, seen
     before = cpu_recurrent.contention().held_arrivals
     _hold_for(RELEASE_S)
     _completes(prefill)

@@ -125,8 +125,9 @@ class Contention:
     """The kernels' view of the machine (csrc/team.h): `stalls`, parallel calls since the last
     `adapt_to_contention` whose caller waited for a helper the scheduler had not run (longer than
     its own work and than 1 ms); `solo_s` and `solo_calls`, how long and for how many more
-    small calls those run on the calling thread alone (both must run out); `period_s`, the last
-    such period (0.1 s and 64 calls, doubling while stalls keep coming, up to 2 s and 4096);
+    small calls those run on the calling thread alone (both must run out: after two stalls in a
+    row close together); `period_s`, the last such period (0.1 s and 64 calls, doubling while
+    close stalls keep coming, up to 2 s and 4096);
     `held_arrivals`, helpers that arrived at a call while `hold_helpers` held them."""
 
     stalls: int

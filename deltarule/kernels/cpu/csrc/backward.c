@@ -469,7 +469,8 @@ int deltarule_backward(const bproblem *P, int threads)
     if (threads > P->N * P->Hv)
         threads = (int)(P->N * P->Hv);
     /* a token's reverse step costs about four forward updates of the state */
-    threads = team_size(threads, 4 * P->T * P->Hv * P->K * P->V);
-    team_run(work, &W, threads);
+    const int64_t steps = 4 * P->T * P->Hv * P->K * P->V;
+    threads = team_size(threads, steps);
+    team_run(work, &W, threads, steps);
     return atomic_load(&W.failed);
 }

@@ -240,7 +240,7 @@ int deltarule_conv(const conv_problem *P, int threads)
     for (int64_t n = 0; n < N; n++)
         tokens += P->seq[5 * n + 1];
     threads = team_size(threads, tokens * C * P->W);
-    team_run(conv_work, &J, threads);
+    team_run(conv_work, &J, threads, tokens * C * P->W);
     free(prior);
     return 0;
 }

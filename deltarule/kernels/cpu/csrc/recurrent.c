@@ -1234,8 +1234,9 @@ int deltarule_recurrent(const problem *P, int threads)
         threads = (int)W.tasks;
     if (threads > MAX_BLOCKS)
         threads = MAX_BLOCKS;
-    threads = team_size(threads, P->tokens * P->Hv * P->K * P->V);
+    const int64_t steps = P->tokens * P->Hv * P->K * P->V;
+    threads = team_size(threads, steps);
     split(&W, threads);
-    team_run(work, &W, threads);
+    team_run(work, &W, threads, steps);
     return atomic_load(&W.failed);
 }

@@ -15,26 +15,26 @@
  * the scheduler did not run (it waits for a quantum: 1.5 ms and more, 4-12 ms on the loaded
  * 2-core VM). Shorter waits are wake-ups: a helper that slept arrives ~30 us after the signal,
  * or 0.3-0.5 ms when its idle vCPU must be woken first (the first call after a 20 ms pause on
- * that VM, quiet: 0.25 ms made those stalls, and every pause cost a solo period) */
+ * that VM, quiet: 0.25 ms made those stalls). Longer wake-ups (the VM's hypervisor; 1 pause in 6
+ * there) come far apart: accidents, below. Calls far apart are judged too: in a model, torch's
+ * GEMMs run between them on the same threads. */
 #define STALL_MIN_NS 1000000
-/* ... and a call that comes this long after the last parallel call is not judged: its helpers
- * slept and their idle vCPUs may take milliseconds to be woken (on the 2-core VM, quiet, the
- * first call after a 20 ms pause waited > 1 ms one time in ten), once; the calls after it find
- * them awake. Contention shows on calls close together: a model's layers, a decode loop. */
-#define IDLE_NS 2000000
 /* A stall that comes within PROBE_STEPS of parallel small work (state-element steps, as
- * team_size counts them) after the last one (or the adaptation's start) means the machine is
- * contended: small calls then run alone for a period, this long and this many of them (both),
- * doubled for every such stall, up to SOLO_MAX_NS and SOLO_MAX_CALLS. A stall after more work is
- * an accident, and starts over. Why work, not calls: a stall costs 4-12 ms on a loaded 2-core
- * VM, and a call's second thread saves time in proportion to its work (B = 1 16-head decode,
- * 2^18 steps: ~40 us; B = 8: ~300 us), so parallel calls pay where a stall comes less often than
- * once per 2^25 steps of them (128 B = 1 decodes, 16 B = 8 ones). On that VM, quiet, 1 in 150
- * calls took over 1 ms: with a fixed count of 128 calls B = 8 decode ran alone most of the time
- * (1.5x slower in `deltarule bench`); with every stall starting a period, so did B = 1. A period
- * of 10 ms paid a stall per probe more than it won back; calls far apart (a GEMM between) need
- * the count. Under a constant load this costs a stall per period. */
-#define PROBE_STEPS (1LL << 25)
+ * team_size counts them) after the last one is a close one; the second close stall in a row
+ * means the machine is contended: small calls then run alone for a period, this long and this
+ * many of them (both), doubled for every further close stall, up to SOLO_MAX_NS and
+ * SOLO_MAX_CALLS. A stall after more work is an accident, and starts over. Why work, not calls:
+ * a stall costs 4-12 ms on a loaded 2-core VM, and a call's second thread saves time in
+ * proportion to its work (B = 1 16-head decode, 2^18 steps: ~40 us; B = 8: ~300 us), so
+ * parallel calls break even where a stall comes once per ~2^25 steps of them. Running alone
+ * makes every call slower where stalls make a few slow: PROBE_STEPS is 2^24 (64 B = 1 decodes,
+ * 8 B = 8 ones), and one close stall is not enough. On that VM, quiet, 1 in 150 calls took over
+ * 1 ms: with every stall starting a period, or a bound of 2^25 steps, decode ran alone most of
+ * the time (B = 8 1.6x slower in `deltarule bench`); an exemption for calls more than 2 ms after
+ * the last parallel one missed a model's stalls (torch's layers between its calls). A first period of 10 ms paid a stall per
+ * probe more than it won back; calls far apart (a GEMM between) need the count. Under a
+ * constant load this costs a few stalls per period. */
+#define PROBE_STEPS (1LL << 24)
 #define SOLO_MIN_NS 100000000LL
 #define SOLO_MAX_NS 2000000000LL
 #define SOLO_MIN_CALLS 64
@@ -60,15 +60,31 @@ static inline void spin_pause(void)
 
 /* ---- the policy ---- */
 
+/* Calls are judged by size class (steps < 2^20, 2^22, 2^24, more): a period that the stalls of
+ * one size started does not carry over to calls of another (in `deltarule bench`, B = 1 decode's
+ * periods ran on into the B = 8 case's calls: 1.5x slower there on the quiet VM) */
+#define CLASSES 4
+typedef struct {
+    atomic_llong solo_until;         /* the class's calls run alone until then (ns) */
+    atomic_llong period;             /* the last solo period (ns) */
+    atomic_llong calls;              /* calls left to run alone */
+    atomic_llong probes;             /* steps of the class's calls run in parallel since its last stall */
+    atomic_int close;                /* close stalls in a row */
+} size_class;
+
 static struct {
     atomic_int adapt;                /* 0: every call gets its threads, stalls are not looked for */
-    atomic_llong solo_until;         /* small calls run alone until then (ns) */
-    atomic_llong period;             /* the last solo period (ns) */
-    atomic_llong calls;              /* small calls left to run alone */
-    atomic_llong probes;             /* steps of small calls run in parallel since the last stall */
-    atomic_llong last_end;           /* when the last parallel call ended (ns) */
-    atomic_llong stalls;             /* stalls seen since the process started */
+    atomic_llong stalls;             /* stalls seen since the adaptation started */
+    size_class of[CLASSES];
 } contention = {.adapt = 1};
+
+static size_class *class_of(int64_t steps)
+{
+    int c = 0;
+    while (c + 1 < CLASSES && steps >= (1LL << (20 + 2 * c)))
+        c++;
+    return &contention.of[c];
+}
 
 /* Turns the adaptation on or off (deltarule_team_adapt(0): a machine whose cores are the
  * process's own; tests that must run every call on its threads); either way from a clean state.
@@ -76,12 +92,15 @@ static struct {
 int deltarule_team_adapt(int on)
 {
     const int was = atomic_exchange(&contention.adapt, 0);
-    atomic_store(&contention.solo_until, 0);
-    atomic_store(&contention.period, 0);
-    atomic_store(&contention.calls, 0);
-    atomic_store(&contention.probes, 0);
+    for (int c = 0; c < CLASSES; c++) {
+        size_class *k = &contention.of[c];
+        atomic_store(&k->solo_until, 0);
+        atomic_store(&k->period, 0);
+        atomic_store(&k->calls, 0);
+        atomic_store(&k->probes, 0);
+        atomic_store(&k->close, 0);
+    }
     atomic_store(&contention.stalls, 0);
-    atomic_store(&contention.last_end, 0);
     atomic_store(&contention.adapt, on != 0);
     return was;
 }
@@ -93,10 +112,11 @@ int team_size(int threads, int64_t steps)
     const int64_t fit = steps / CONTENDED_STEPS_PER_THREAD;
     if (fit >= threads || !atomic_load_explicit(&contention.adapt, memory_order_relaxed))
         return threads;
-    if (atomic_load_explicit(&contention.calls, memory_order_relaxed) > 0)
-        atomic_fetch_sub_explicit(&contention.calls, 1, memory_order_relaxed);
-    else if (atomic_load_explicit(&contention.solo_until, memory_order_relaxed) <= now_ns()) {
-        atomic_fetch_add_explicit(&contention.probes, steps, memory_order_relaxed);
+    size_class *k = class_of(steps);
+    if (atomic_load_explicit(&k->calls, memory_order_relaxed) > 0)
+        atomic_fetch_sub_explicit(&k->calls, 1, memory_order_relaxed);
+    else if (atomic_load_explicit(&k->solo_until, memory_order_relaxed) <= now_ns()) {
+        atomic_fetch_add_explicit(&k->probes, steps, memory_order_relaxed);
         return threads;
     }
     return fit > 1 ? (int)fit : 1;
@@ -109,24 +129,28 @@ static int64_t solo_calls(int64_t period)
     return calls < SOLO_MAX_CALLS ? calls : SOLO_MAX_CALLS;
 }
 
-/* A parallel call began at `start`, the caller worked from `begun` to `done`, the call ended at
+/* A parallel call of `steps` began at `start`, the caller worked from `begun` to `done`, the call ended at
  * `end`: the rest is waiting (OpenMP waits at a region's start for threads to dock, and at its
  * end for them to arrive) */
-static void note_wait(int64_t start, int64_t begun, int64_t done, int64_t end)
+static void note_wait(int64_t steps, int64_t start, int64_t begun, int64_t done, int64_t end)
 {
-    const int64_t wait = (end - done) + (begun - start), last = atomic_exchange(&contention.last_end, end);
-    if (wait < STALL_MIN_NS || wait <= done - begun || start - last > IDLE_NS || !atomic_load(&contention.adapt))
+    const int64_t wait = (end - done) + (begun - start);
+    if (wait < STALL_MIN_NS || wait <= done - begun || !atomic_load(&contention.adapt))
         return;
     atomic_fetch_add(&contention.stalls, 1);
-    if (atomic_exchange(&contention.probes, 0) >= PROBE_STEPS) {
-        atomic_store(&contention.period, 0);
+    size_class *k = class_of(steps);
+    if (atomic_exchange(&k->probes, 0) >= PROBE_STEPS) {
+        atomic_store(&k->close, 0);
+        atomic_store(&k->period, 0);
         return;
     }
-    const int64_t was = atomic_load(&contention.period);
+    if (atomic_fetch_add(&k->close, 1) < 1)
+        return;
+    const int64_t was = atomic_load(&k->period);
     const int64_t period = !was ? SOLO_MIN_NS : 2 * was < SOLO_MAX_NS ? 2 * was : SOLO_MAX_NS;
-    atomic_store(&contention.period, period);
-    atomic_store(&contention.calls, solo_calls(period));
-    atomic_store(&contention.solo_until, end + period);
+    atomic_store(&k->period, period);
+    atomic_store(&k->calls, solo_calls(period));
+    atomic_store(&k->solo_until, end + period);
 }
 
 /* For tests and the benchmark: [stalls seen, ns left of the solo period, the period, small calls
@@ -135,11 +159,17 @@ static atomic_llong held_arrivals;
 
 void deltarule_team_state(int64_t *out)
 {
-    const int64_t left = atomic_load(&contention.solo_until) - now_ns();
+    const int64_t now = now_ns();
     out[0] = atomic_load(&contention.stalls);
-    out[1] = left > 0 ? left : 0;
-    out[2] = atomic_load(&contention.period);
-    out[3] = atomic_load(&contention.calls);
+    out[1] = out[2] = out[3] = 0;
+    for (int c = 0; c < CLASSES; c++) {             /* the longest of the classes' */
+        size_class *k = &contention.of[c];
+        const int64_t left = atomic_load(&k->solo_until) - now, period = atomic_load(&k->period);
+        const int64_t calls = atomic_load(&k->calls);
+        out[1] = left > out[1] ? left : out[1];
+        out[2] = period > out[2] ? period : out[2];
+        out[3] = calls > out[3] ? calls : out[3];
+    }
     out[4] = atomic_load(&held_arrivals);
 }
 
@@ -292,7 +322,7 @@ static void *helper(void *arg)
     return NULL;
 }
 
-static void own_run(team_work_fn work, void *job, int threads)
+static void own_run(team_work_fn work, void *job, int threads, int64_t steps)
 {
     const int64_t start = now_ns();
     if (team.last_end) {             /* the recent gap between calls: how long helpers spin */
@@ -332,10 +362,10 @@ static void own_run(team_work_fn work, void *job, int threads)
         pthread_cond_wait(&team.done, &team.m);
     pthread_mutex_unlock(&team.m);
     team.last_end = now_ns();
-    note_wait(start, begun, done, team.last_end);
+    note_wait(steps, start, begun, done, team.last_end);
 }
 
-void team_run(team_work_fn work, void *job, int threads)
+void team_run(team_work_fn work, void *job, int threads, int64_t steps)
 {
     if (threads < 2) {
         work(job, 0);
@@ -346,7 +376,7 @@ void team_run(team_work_fn work, void *job, int threads)
         region r = {.work = work, .job = job};
         const int64_t start = now_ns();
         parallel(host_region, &r, (unsigned)threads, 0);
-        note_wait(start, r.begun, r.done, now_ns());
+        note_wait(steps, start, r.begun, r.done, now_ns());
         return;
     }
     pthread_once(&team_once, team_init);
@@ -354,6 +384,6 @@ void team_run(team_work_fn work, void *job, int threads)
         work(job, 0);
         return;
     }
-    own_run(work, job, threads);
+    own_run(work, job, threads, steps);
     pthread_mutex_unlock(&team.busy);
 }

@@ -10,9 +10,9 @@
  *   parallel region of that runtime, whose start and end wait for every thread of the region,
  *   also one the scheduler has not run yet (a busy machine: a scheduler quantum, milliseconds).
  *   So the team measures each parallel call: when the caller waited, outside its own work,
- *   longer than that work took and longer than STALL_MIN_NS (a call soon after the last
- *   parallel one: after an idle gap the wait is a wake-up), that is a stall; a stall within
- *   PROBE_STEPS of parallel work after the last one means the machine is contended, and calls too
+ *   longer than that work took and longer than STALL_MIN_NS, that is a stall; a second stall
+ *   in a row within PROBE_STEPS of parallel work after the last means the machine is
+ *   contended, and calls too
  *   small to hide a stall (team_size: below CONTENDED_STEPS_PER_THREAD per thread) run on the
  *   calling thread alone for a period (SOLO_MIN_NS and SOLO_MIN_CALLS, doubling while such
  *   stalls keep coming, up to SOLO_MAX_NS and SOLO_MAX_CALLS), then try their helpers again. The
@@ -33,7 +33,7 @@ typedef void (*team_work_fn)(void *job, int me);
 int team_size(int threads, int64_t steps);
 
 /* Runs work(job, me) on the calling thread (me = 0) and up to threads - 1 helpers (team_size's
- * count); returns once every task taken has finished. */
-void team_run(team_work_fn work, void *job, int threads);
+ * count for these `steps`); returns once every task taken has finished. */
+void team_run(team_work_fn work, void *job, int threads, int64_t steps);
 
 #endif
