@@ -25,7 +25,6 @@
  * and out; compute only, validated by the caller.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -398,20 +397,6 @@ typedef struct {
     atomic_int failed;
 } pool;
 
-/* A thread's scratch, kept for its next call (freed when the thread exits): a fresh 4 MB buffer
- * is page-faulted in on every call. Per thread, so concurrent calls never share one. */
-static pthread_key_t kept_key;
-static pthread_once_t kept_once = PTHREAD_ONCE_INIT;
-static __thread struct {
-    void *mem;
-    size_t bytes;
-} kept;
-
-static void kept_init(void)
-{
-    pthread_key_create(&kept_key, free);
-}
-
 /* Thread `me` of the call takes (sequence, head) tasks until none is left */
 static void work(void *job, int me)
 {
@@ -424,14 +409,7 @@ static void work(void *job, int me)
     const int64_t Kp = (K + VEC - 1) / VEC * VEC;
     const int64_t floats = (C + 2) * K * Vp + 4 * CK + 3 * C * Vp + (2 + G) * Vp + GKp + 4 * K * VEC + 4 * Kp;
     const size_t bytes = (sizeof(float) * floats + 63) / 64 * 64;
-    if (kept.bytes < bytes) {
-        pthread_once(&kept_once, kept_init);
-        free(kept.mem);
-        kept.mem = aligned_alloc(64, bytes);
-        kept.bytes = kept.mem ? bytes : 0;
-        pthread_setspecific(kept_key, kept.mem);
-    }
-    float *mem = kept.mem;
+    float *mem = team_scratch(bytes);
     if (!mem) {
         atomic_store(&W->failed, 1);
         return;

@@ -68,7 +68,6 @@
  * Compute only: contiguous operands, validated by the caller.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -1115,34 +1114,6 @@ static void split(pool *W, int n)
     }
 }
 
-/* A thread's scratch memory, kept for its next call (freed when the thread exits): a
- * fresh allocation of this size was page-faulted in again on every call (helper
- * threads' malloc arenas hand it back), which cost a B = 1 decode ~40 us. */
-static pthread_key_t kept_key;
-static __thread struct {
-    void *mem;
-    size_t bytes;
-} kept;
-
-static pthread_once_t kept_once = PTHREAD_ONCE_INIT;
-
-static void kept_init(void)
-{
-    pthread_key_create(&kept_key, free);
-}
-
-static void *scratch_memory(size_t bytes)
-{
-    if (kept.bytes < bytes) {
-        pthread_once(&kept_once, kept_init);
-        free(kept.mem);
-        kept.mem = aligned_alloc(64, bytes);
-        kept.bytes = kept.mem ? bytes : 0;
-        pthread_setspecific(kept_key, kept.mem);
-    }
-    return kept.mem;
-}
-
 /* Thread `me` of the call (0: the caller) works on the pool's tasks until none is left */
 static void work(void *job, int me)
 {
@@ -1152,7 +1123,7 @@ static void work(void *job, int me)
     const int64_t acc = ((G + 2) * P->V + 15) / 16 * 16;
     const int64_t floats = (acc + TB * (TILE + (4 + 2 * G) * K + G) + 2 * K + 15) / 16 * 16;
     const size_t tile_bytes = sizeof(float) * tiles * K * TILE;     /* a multiple of 64 */
-    char *mem = scratch_memory(tile_bytes + sizeof(float) * floats + sizeof(int) * TB);
+    char *mem = team_scratch(tile_bytes + sizeof(float) * floats + sizeof(int) * TB);
     if (!mem)
         atomic_store(&W->failed, 1);
     else {

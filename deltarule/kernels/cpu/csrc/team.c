@@ -1,9 +1,9 @@
 /* The kernels' threads: see team.h for the policy. Helpers are the host's OpenMP threads where
  * the binding installs that runtime (deltarule_use_host_threads), else threads kept here. */
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <time.h>
 #if defined(__SSE2__)
 #include <immintrin.h>
@@ -191,6 +191,32 @@ static void wait_while_held(int me)
         while (atomic_load(&held) & (1u << me))
             nanosleep(&nap, NULL);
     }
+}
+
+/* ---- scratch memory ---- */
+
+static pthread_key_t kept_key;
+static pthread_once_t kept_once = PTHREAD_ONCE_INIT;
+static __thread struct {
+    void *mem;
+    size_t bytes;
+} kept;
+
+static void kept_init(void)
+{
+    pthread_key_create(&kept_key, free);
+}
+
+void *team_scratch(size_t bytes)
+{
+    if (kept.bytes < bytes) {
+        pthread_once(&kept_once, kept_init);
+        free(kept.mem);
+        kept.mem = aligned_alloc(64, bytes);
+        kept.bytes = kept.mem ? bytes : 0;
+        pthread_setspecific(kept_key, kept.mem);
+    }
+    return kept.mem;
 }
 
 /* ---- the host's OpenMP runtime ---- */
