@@ -30,10 +30,11 @@
  * makes every call slower where stalls make a few slow: PROBE_STEPS is 2^24 (64 B = 1 decodes,
  * 8 B = 8 ones), and one close stall is not enough. On that VM, quiet, 1 in 150 calls took over
  * 1 ms: with every stall starting a period, or a bound of 2^25 steps, decode ran alone most of
- * the time (B = 8 1.6x slower in `deltarule bench`); an exemption for calls more than 2 ms after
- * the last parallel one missed a model's stalls (torch's layers between its calls). A first period of 10 ms paid a stall per
- * probe more than it won back; calls far apart (a GEMM between) need the count. Under a
- * constant load this costs a few stalls per period. */
+ * the time; an exemption for calls more than 2 ms after the last parallel one missed a model's
+ * stalls (torch's layers between its calls). A first period of 10 ms paid a stall per probe
+ * more than it won back; calls far apart (a GEMM between) need the count. Under a constant load
+ * this costs a few stalls per period. (Quiet float32 B = 8 decode is still slower in the bench
+ * after this change: docs/performance.md, "Busy machines".) */
 #define PROBE_STEPS (1LL << 24)
 #define SOLO_MIN_NS 100000000LL
 #define SOLO_MAX_NS 2000000000LL
@@ -61,8 +62,8 @@ static inline void spin_pause(void)
 /* ---- the policy ---- */
 
 /* Calls are judged by size class (steps < 2^20, 2^22, 2^24, more): a period that the stalls of
- * one size started does not carry over to calls of another (in `deltarule bench`, B = 1 decode's
- * periods ran on into the B = 8 case's calls: 1.5x slower there on the quiet VM) */
+ * one size started does not carry over to calls of another (a model's layers are one size; in
+ * `deltarule bench` B = 1 decode's periods ran on into the B = 8 case's timing) */
 #define CLASSES 4
 typedef struct {
     atomic_llong solo_until;         /* the class's calls run alone until then (ns) */
