@@ -239,8 +239,9 @@ int deltarule_conv(const conv_problem *P, int threads)
     int64_t tokens = 0;
     for (int64_t n = 0; n < N; n++)
         tokens += P->seq[5 * n + 1];
-    threads = team_size(threads, tokens * C * P->W);
-    team_run(conv_work, &J, threads, tokens * C * P->W);
+    const int64_t steps = tokens * C * P->W;
+    threads = team_size(threads, steps);
+    team_run(conv_work, &J, threads, steps);
     free(prior);
     return 0;
 }
