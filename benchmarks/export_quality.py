@@ -5,11 +5,11 @@ quantized exports").
 
 Rows: transformers fp32 (``attn_implementation="eager"``, its linear-attention layers on
 transformers' own PyTorch path: deltarule not bound), deltarule's exports at each of `DTYPES`
-(`deltarule.export.onnx`), q4 at the other quantization settings of `VARIANTS`
-(`deltarule.export.Quantization`), onnxruntime-genai's builder ``-p int4 -e cpu`` and ``-p fp32 -e cpu``
+(`deltarule.onnx.export.export_model`), q4 at the other quantization settings of `VARIANTS`
+(`deltarule.onnx.export.Quantization`), onnxruntime-genai's builder ``-p int4 -e cpu`` and ``-p fp32 -e cpu``
 (the control) on the same checkpoint (``.venv-genai``: the config adaptation of
 `benchmarks/onnx_models.genai_builder`, run there). Every ONNX file runs in onnxruntime (CPU)
-through `deltarule.export.generate.DecoderSession`; logits are compared in float64.
+through `deltarule.onnx.export.generate.DecoderSession`; logits are compared in float64.
 
 Columns:
 - bytes: the .onnx file and its external data (transformers: model.safetensors);
@@ -48,7 +48,7 @@ import train_checkpoint  # noqa: E402
 ROOT = train_checkpoint.ROOT
 # deltarule's export dtypes measured, in row order (the exporter's names)
 DTYPES = ("fp32", "fp16", "q8", "q4", "q4f16")
-# q4 exports with other quantization settings (`deltarule.export.Quantization` fields; the
+# q4 exports with other quantization settings (`deltarule.onnx.export.Quantization` fields; the
 # default: blocks of 32, symmetric, accuracy level 4, embeddings quantized), when the exporter has them
 VARIANTS = {"q4, block 16": dict(block_size=16), "q4, asymmetric": dict(symmetric=False),
             "q4, block 16, asymmetric": dict(block_size=16, symmetric=False),
@@ -73,8 +73,8 @@ def onnx_bytes(path: str) -> int:
 def deltarule_exports(checkpoint: str, root: str, *, reuse: bool = False) -> tuple[dict, dict]:
     """deltarule's export of `checkpoint` at each of `DTYPES`, then q4 at each of `VARIANTS`:
     ({row name: model path}, {row name: why it is missing})."""
-    from deltarule.export import exporter
-    from deltarule.export import onnx as export_onnx
+    from deltarule.onnx.export import exporter
+    from deltarule.onnx.export import onnx as export_onnx
     rows, missing = {}, {}
 
     def export(out: str, dtypes: list, name: str, **quantization) -> dict:
@@ -180,7 +180,7 @@ class Onnx:
     """An ONNX decoder in onnxruntime (CPU) through `DecoderSession`."""
 
     def __init__(self, path: str, sizes: dict | None = None, threads: int | None = None):
-        from deltarule.export.generate import DecoderSession
+        from deltarule.onnx.export.generate import DecoderSession
         self.session = DecoderSession(path, sizes=sizes, threads=threads)
 
     def logits(self, ids: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The three `deltarule.export.onnx` targets side by side in onnxruntime (CPU), one run (docs/export.md,
+"""The three `deltarule.onnx.export.export_model` targets side by side in onnxruntime (CPU), one run (docs/export.md,
 "Target ort-gpu"):
 
 - ``ort``: com.microsoft.LinearAttention (L2 norm, head repeat, packing and the gates as standard
@@ -9,11 +9,11 @@
 - ``ort-gpu unfused``: ort-gpu without its graph passes (transformers' gate / beta ops left as
   they are, a Transpose each side of the node for the K-major state inputs and outputs).
 
-On a random-weight Qwen3.5 checkpoint of shape ``tiny_0_8b_heads`` (`deltarule.bench.checkpoints`:
+On a random-weight Qwen3.5 checkpoint of shape ``tiny_0_8b_heads`` (`deltarule.tools.bench.checkpoints`:
 hidden 128, one Gated DeltaNet layer with Qwen3.5-0.8B's 16 key / value heads of 128, one
 attention layer), batch 1: prefill of a prompt of each length from zero state, and decode (one
-token after a past of that length), through `deltarule.export.generate.DecoderSession`. Timed
-with `deltarule.bench.timing.interleaved` (each export warmed up 0.1 s, then rounds of one >= 10
+token after a past of that length), through `deltarule.onnx.export.generate.DecoderSession`. Timed
+with `deltarule.tools.bench.timing.interleaved` (each export warmed up 0.1 s, then rounds of one >= 10
 ms batch each, order rotated round to round, 20 ms pause before each batch); onnxruntime's
 default intra-op threads (one per core). Ratios: the other export's time / ort-gpu's per round,
 median [min-max] over the rounds (> 1: ort-gpu is faster). Copy bandwidth measured in the same run.
@@ -36,15 +36,15 @@ import sys
 import numpy as np
 import onnx
 
-from deltarule.bench import checkpoints, copy_bandwidth
-from deltarule.bench.timing import interleaved
-from deltarule.export import fuse
-from deltarule.export import onnx as export_onnx
-from deltarule.export.generate import DecoderSession
+from deltarule.tools.bench import checkpoints, copy_bandwidth
+from deltarule.tools.bench.timing import interleaved
+from deltarule.onnx.export import fuse
+from deltarule.onnx.export import onnx as export_onnx
+from deltarule.onnx.export.generate import DecoderSession
 
 TARGETS = ("ort", "ort-gpu", "onnx")
 REFERENCE = "ort-gpu"
-# the ort-gpu export without its graph passes (`deltarule.export.fuse`: gates fused, state V-major)
+# the ort-gpu export without its graph passes (`deltarule.onnx.export.fuse`: gates fused, state V-major)
 UNFUSED = "ort-gpu unfused"
 
 

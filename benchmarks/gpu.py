@@ -56,7 +56,7 @@ if os.path.join(HERE, "..") not in [os.path.normpath(p) for p in sys.path]:
 
 import deltarule  # noqa: E402
 from deltarule import cases as _cases  # noqa: E402
-from deltarule.check import STORE_TOL, expected, rel_err  # noqa: E402
+from deltarule.tools.check import STORE_TOL, expected, rel_err  # noqa: E402
 
 CHUNK = 64
 TOL = {"float32": 5e-5, "bfloat16": 1e-2}
@@ -716,7 +716,7 @@ def section_transformers(cfg, rep):
     import transformers
 
     import deltarule.integrations.transformers as dt
-    from deltarule.bench import model as bench_model
+    from deltarule.tools.bench import model as bench_model
 
     sizes = dict(bench_model.MODELS["qwen3_5"]["kwargs"])
     if cfg.dry:

@@ -1,7 +1,7 @@
 """Whole-model ONNX exports side by side in onnxruntime (CPU), one run (issues 34 and 47,
 docs/export.md):
 
-- ``fp32`` / ``q4``: `deltarule.export.onnx` with ``dtype=["fp32", "q4"]`` (target ort:
+- ``fp32`` / ``q4``: `deltarule.onnx.export.export_model` with ``dtype=["fp32", "q4"]`` (target ort:
   com.microsoft.LinearAttention and CausalConvWithState nodes; q4 through onnxruntime's
   weight-only quantizer at onnxruntime-genai's int4 defaults), from one trace;
 - ``q4-last``: the q4 export with ``num_logits_to_keep`` (prefill computes the last
@@ -13,11 +13,11 @@ docs/export.md):
   onnxruntime_genai.models.builder -p fp32 | int4 -e cpu``) on the same checkpoint, when
   onnxruntime_genai is installed (``.venv-genai``: bash .ci/genai install).
 
-Each on a random-weight Qwen3.5 checkpoint (`deltarule.bench.checkpoints`: ``tiny`` and the
+Each on a random-weight Qwen3.5 checkpoint (`deltarule.tools.bench.checkpoints`: ``tiny`` and the
 Qwen3.5-0.8B shape), batch 1: prefill tokens/s of a prompt of each length from zero state (the
 last position's logits asked for: a model without ``num_logits_to_keep`` computes them all),
 and decode tokens/s (one token after a past of that length). Timed with
-`deltarule.bench.timing.interleaved` (each implementation warmed up 0.1 s, then rounds of one
+`deltarule.tools.bench.timing.interleaved` (each implementation warmed up 0.1 s, then rounds of one
 >= 10 ms batch each, order rotated round to round, 20 ms pause before each batch);
 onnxruntime's default intra-op threads (one per core). Ratios (deltarule's speed over the
 other's): medians of per-round ratios, [min-max] over the rounds. Copy bandwidth measured in the
@@ -39,11 +39,11 @@ import sys
 import numpy as np
 import onnx
 
-from deltarule.bench import checkpoints, copy_bandwidth
-from deltarule.bench.timing import interleaved
-from deltarule.export import onnx as export_onnx
-from deltarule.export.generate import DecoderSession
-from deltarule.onnx import ops as deltarule_ops
+from deltarule.tools.bench import checkpoints, copy_bandwidth
+from deltarule.tools.bench.timing import interleaved
+from deltarule.onnx.export import onnx as export_onnx
+from deltarule.onnx.export.generate import DecoderSession
+from deltarule.onnx import custom_op as deltarule_ops
 
 
 def scan_variant(export: str, out: str | None = None) -> str:

@@ -6,7 +6,7 @@ numbers, in the same page, on the same GPUDevice, and checks both against deltar
 reference. This script writes what the page reads into OUT (default web/ort-kernels/, gitignored):
 
 - ``index.json``: the shape (B = 1, H heads, K, V), the relative-error tolerance (deltarule's
-  float32 card tolerance, ``deltarule.cards.cases.TOL``), the models (``ort_models``: contract,
+  float32 card tolerance, ``deltarule.cards.fixtures.TOL``), the models (``ort_models``: contract,
   variant, file, attributes) and per case its tensors as ``{"file", "shape"}`` (raw float32,
   little-endian, C order);
 - ``GatedDeltaNet-chunk<C>.onnx`` per ``--gdn-chunk-sizes`` C (default 16, 64): one
@@ -52,10 +52,10 @@ import numpy as np
 import onnx
 import torch
 
-from deltarule import check
-from deltarule.cards.cases import TOL
+from deltarule.tools import check
+from deltarule.cards.fixtures import TOL
 from deltarule.contracts import ort as ort_contract
-from deltarule.peers import one_node_model
+from deltarule.tools.oracles import one_node_model
 
 def gated_delta_net_model(H: int, K: int, V: int, chunk_size: int) -> onnx.ModelProto:
     """One com.microsoft.GatedDeltaNet node: (1, S, H, D) inputs, V-major state (1, H, V, K).
@@ -118,7 +118,7 @@ def reference(x: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     args.pop("accept_growth")
     o_gdn, s_vk = check.expected(args)
     # com.microsoft.LinearAttention: packed (B, T, H * D) read back as (B, T, H, D), K-major state,
-    # scale 0 -> None (1 / sqrt(K)), as deltarule.contracts.onnx._packed maps it
+    # scale 0 -> None (1 / sqrt(K)), as deltarule.contracts.onnx_linear_attention._packed maps it
     packed = {n: x[n].reshape(1, T, -1) for n in ("q", "k", "v")}
     o_la, s_kv = check.expected({
         "q": packed["q"].reshape(1, T, H, K), "k": packed["k"].reshape(1, T, H, K),

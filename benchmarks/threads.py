@@ -19,7 +19,7 @@ import time
 import torch
 
 import deltarule
-from deltarule.bench import copy_bandwidth
+from deltarule.tools.bench import copy_bandwidth
 from deltarule.kernels.cpu import recurrent as cpu_recurrent
 
 H, K, V, SLOTS = 16, 128, 128, 400

@@ -3,7 +3,7 @@ and autograd, so that the ONNX exports' quantization quality can be measured on 
 mean something (`benchmarks/export_quality.py`, docs/export.md "Quality of the quantized exports").
 
 Model: transformers' ``Qwen3_5ForCausalLM`` (the text model; config built from
-`deltarule.bench.checkpoints.config("qwen3_5", "tiny")` with the sizes below): hidden 128,
+`deltarule.tools.bench.checkpoints.config("qwen3_5", "tiny")` with the sizes below): hidden 128,
 4 layers (Gated DeltaNet x 3, then softmax attention), head dims 64, MLP 384, untied LM head.
 `deltarule.integrations.transformers.enable()` is called before the model is built; the run stops
 unless it reports the qwen3_5 layers bound.
@@ -103,7 +103,7 @@ def model_config():
     """The transformers config: checkpoints' tiny qwen3_5 with `SIZES` and the byte vocabulary."""
     import transformers
 
-    from deltarule.bench import checkpoints
+    from deltarule.tools.bench import checkpoints
     base = checkpoints.config("qwen3_5", "tiny", vocab_size=VOCAB).to_dict()
     for key in ("architectures", "transformers_version", "model_type"):
         base.pop(key, None)

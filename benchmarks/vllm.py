@@ -4,7 +4,7 @@
         [--prompt 256] [--decode 32] [--repeat 2] [--rounds 3] [--malloc tcmalloc|glibc] [--json out.json]
 
 (.venv-vllm: `bash .ci/vllm install`, then `.venv-vllm/bin/pip install --no-build-isolation
---no-deps -e .`.) Per shape: random-weight bfloat16 checkpoints (deltarule.bench.checkpoints;
+--no-deps -e .`.) Per shape: random-weight bfloat16 checkpoints (deltarule.tools.bench.checkpoints;
 vLLM's own GDN kernels take bfloat16 only), one engine process per implementation, the two
 alternating `--repeat` times. In each process, per batch size B: `--rounds` prefill rounds (B
 prompts, 1 new token) and a full round (the same prompts, 1 + `--decode` new tokens), prefix
@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 
-from deltarule.bench import checkpoints, copy_bandwidth
+from deltarule.tools.bench import checkpoints, copy_bandwidth
 
 IMPLEMENTATIONS = ("vllm", "deltarule")
 
@@ -58,7 +58,7 @@ def run_engine(model: str, deltarule: bool, batches, prompt: int, decode: int, r
         env["LD_PRELOAD"] = ":".join(x for x in (tcmalloc, env.get("LD_PRELOAD")) if x)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.pop("DELTARULE_VLLM", None)
-    run = subprocess.run([sys.executable, "-m", "deltarule.bench.vllm_engine", json.dumps(spec)], env=env,
+    run = subprocess.run([sys.executable, "-m", "deltarule.tools.bench.vllm_engine", json.dumps(spec)], env=env,
                          capture_output=True, text=True, cwd=tempfile.gettempdir())
     lines = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
     if run.returncode or not lines:

@@ -5,7 +5,7 @@
 
 Times `linear_attention(..., backend="wgsl")` on a GDN-style layer (scalar g, or per-key gk,
 with beta, L2-normalised keys, an initial state) with the dispatcher's threshold forced each way
-(`chunked.MIN_TOKENS`), interleaved in rounds (`deltarule.bench.timing.interleaved`), and prints
+(`chunked.MIN_TOKENS`), interleaved in rounds (`deltarule.tools.bench.timing.interleaved`), and prints
 the median ms per call and the ratio recurrent / chunked with its [min-max] over the rounds.
 Inputs are torch tensors on the host: both paths upload them and download o and the state.
 The issue's target: chunked >= 3x the recurrence at 4k tokens on the same adapter.
@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.normpath(os.path.join(HERE, "..")))
 
 import deltarule  # noqa: E402
-from deltarule.bench.timing import interleaved  # noqa: E402
+from deltarule.tools.bench.timing import interleaved  # noqa: E402
 from deltarule.kernels.wgsl import _device, chunked  # noqa: E402
 
 

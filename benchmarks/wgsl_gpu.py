@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.normpath(os.path.join(HERE, "..")))
 
 import deltarule  # noqa: E402
 from deltarule import cases  # noqa: E402
-from deltarule.check import expected, rel_err  # noqa: E402
+from deltarule.tools.check import expected, rel_err  # noqa: E402
 from deltarule import WgslStateSlab  # noqa: E402
 from deltarule.kernels.wgsl import _device  # noqa: E402
 

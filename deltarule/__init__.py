@@ -1,6 +1,7 @@
 """deltarule: the generalized gated delta rule, one contract, several backends."""
 
 from .api import linear_attention, validate
+from . import conv  # noqa: F401 - registers the short convolution's op (deltarule.conv.custom_ops)
 from .backends import info as backend_info
 from .backends.wgsl_slab import WgslStateSlab
 from .batch import BatchPlan, plan_batch

@@ -1,11 +1,11 @@
 """The public operator `linear_attention`: its arguments and their defaults; validation is
-`deltarule.validation`, the eager path `deltarule.engine`, the traced one `deltarule.library`."""
+`deltarule.validation`, the eager path `deltarule.eager`, the traced one `deltarule.custom_ops`."""
 
 from __future__ import annotations
 
 import torch
 
-from . import arguments, engine, library
+from . import arguments, custom_ops, eager
 from .batch import BatchPlan
 from .validation import finite_float32, validate  # noqa: F401  (the package's and the adapters' names)
 
@@ -190,9 +190,9 @@ def linear_attention(
         ...                      state_indices=torch.tensor([0, 4]))
     """
     if _is_compiling():
-        return library.call({**locals(), "accept_growth": False})
+        return custom_ops.call({**locals(), "accept_growth": False})
     # positional, in the record's order (deltarule.arguments; checked by tests/test_arguments.py)
-    return engine.run(q, k, v, rule, g, gk, beta, erase, write, scale, initial_state, state_layout, cu_seqlens,
+    return eager.run(q, k, v, rule, g, gk, beta, erase, write, scale, initial_state, state_layout, cu_seqlens,
                       seq_lens, state_indices, num_accepted_tokens, plan, qk_l2norm, l2norm_eps, A_log, dt_bias,
                       beta_sigmoid, chunk_size, capture, backend, False)
 
@@ -204,8 +204,8 @@ def call(q, k, v, *, rule="gated_delta", g=None, gk=None, beta=None, erase=None,
     """`linear_attention` for the contract adapters: the same arguments, plus `accept_growth`
     (see `validate`): the adapters of runtimes that take positive log decays pass True."""
     if _is_compiling():
-        return library.call(locals())
-    return engine.run(q, k, v, rule, g, gk, beta, erase, write, scale, initial_state, state_layout, cu_seqlens,
+        return custom_ops.call(locals())
+    return eager.run(q, k, v, rule, g, gk, beta, erase, write, scale, initial_state, state_layout, cu_seqlens,
                       seq_lens, state_indices, num_accepted_tokens, plan, qk_l2norm, l2norm_eps, A_log, dt_bias,
                       beta_sigmoid, chunk_size, capture, backend, accept_growth)
 

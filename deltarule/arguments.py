@@ -9,13 +9,16 @@ Everything that lists the arguments is derived from `ARGUMENTS` or checked again
   written out for their docstrings and for readers);
 - the custom ops' schemas (`op_schema`; a plan travels as the index tensors it was built from,
   its layout and device: `PLAN_ARGUMENTS`), their
-  fakes and autograd slices (`deltarule.library`);
-- the key under which a plan keeps a call's launch (`launch_key_source`: what `validate`
-  checks of the call that its tensors' values and addresses do not decide) and the order
-  in which a kept launch takes its tensors (`LAUNCH_OPERANDS`; `deltarule.engine`).
+  fakes and autograd slices (`deltarule.custom_ops`);
+- the eager path `deltarule.eager` (`run`, positional in the record's order, and the key
+  under which a plan keeps a call's launch: what `validate` checks of the call that its
+  tensors' values and addresses do not decide), written from the record by
+  `deltarule.tools.eager_source` and checked in; the order in which a kept launch takes its
+  tensors (`LAUNCH_OPERANDS`).
 
 Adding an argument is one row here, its parameter in the public functions (which refuse to
-import until it is there), its check in `validation.validate`, and the backends that use it.
+import until it is there), `python -m deltarule.tools.eager_source` (tests/test_arguments.py
+fails until it ran), its check in `validation.validate`, and the backends that use it.
 
 >>> [a.name for a in ARGUMENTS if a.differentiable][:4]
 ['q', 'k', 'v', 'g']
@@ -78,7 +81,7 @@ ARGUMENTS: tuple[Argument, ...] = (
     Argument("dt_bias", "tensor?", None, differentiable=True),
     Argument("beta_sigmoid", "bool", False),
     Argument("chunk_size", "int", 64),
-    # written in place, never differentiated; eager even when traced (`deltarule.library`)
+    # written in place, never differentiated; eager even when traced (`deltarule.custom_ops`)
     Argument("capture", "capture?", None),
     Argument("backend", "str", "auto"),
     # the adapters of runtimes that take positive log decays pass True (`api.call`)
@@ -90,7 +93,7 @@ BY_NAME = {a.name: a for a in ARGUMENTS}
 INDEX = tuple(a.name for a in ARGUMENTS if a.kind == "index?")
 # the tensors a gradient reaches (and that a slab may not share memory with), in the record's order
 OPERANDS = tuple(a.name for a in ARGUMENTS if a.differentiable)
-# the arguments the custom ops take (a capture buffer is eager-only: `deltarule.library`)
+# the arguments the custom ops take (a capture buffer is eager-only: `deltarule.custom_ops`)
 TRACED = tuple(a for a in ARGUMENTS if a.kind != "capture?")
 # a kept launch's tensors (`backends.cpu_backend.Launch`): the operands, the state last
 LAUNCH_OPERANDS = tuple(n for n in OPERANDS if n != "initial_state") + ("initial_state",)

@@ -95,7 +95,7 @@ class BatchPlan:
     dense: bool = field(init=False)
     # what the plan was built from: (cu_seqlens, seq_lens, state_indices, num_accepted_tokens),
     # host int64 copies, None where not given (`build`): how a traced call passes the plan to
-    # the ops (deltarule.library), which find or rebuild it by these values
+    # the ops (deltarule.custom_ops), which find or rebuild it by these values
     indices: tuple = field(default=(None, None, None, None), repr=False, compare=False)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)

@@ -21,7 +21,7 @@ import tempfile
 import time
 
 import deltarule.integrations.vllm as dv
-from deltarule.bench import checkpoints
+from deltarule.tools.bench import checkpoints
 
 
 def main() -> None:

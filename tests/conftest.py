@@ -16,7 +16,7 @@ import pytest
 
 from deltarule import cases
 from deltarule.backends import cpu_backend
-from deltarule.check import STORE_TOL
+from deltarule.tools.check import STORE_TOL
 
 if cpu_backend.available():
     # Every cpu call runs on the threads it asks for: on a loaded CI machine a stall would send

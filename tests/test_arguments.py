@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import deltarule
-from deltarule import api, arguments, distributed, engine, library, validation
+from deltarule import api, arguments, custom_ops, distributed, eager, validation
+from deltarule.tools import eager_source
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "deltarule"
 
@@ -38,28 +39,36 @@ def test_public_functions_take_the_records_arguments():
     assert list(sig.parameters) == [a.name for a in arguments.ARGUMENTS if a.public]
 
 
-def _engine_calls(path: pathlib.Path):
-    """Every `engine.run(...)` call in a module: its argument expressions."""
+def _eager_calls(path: pathlib.Path):
+    """Every `eager.run(...)` call in a module: its argument expressions."""
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "run" \
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "engine":
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "eager":
             yield node
 
 
-def test_the_positional_calls_of_the_engine_follow_the_record():
-    """`engine.run` takes the record's arguments positionally (for speed: deltarule.engine);
+def test_the_positional_calls_of_the_eager_path_follow_the_record():
+    """`eager.run` takes the record's arguments positionally (for speed: deltarule.eager);
     every call of it in the package passes them by the record's names, in its order (the
     last one, accept_growth, may be a constant), so a misorder fails here."""
     found = 0
     for path in ROOT.rglob("*.py"):
-        for node in _engine_calls(path):
+        for node in _eager_calls(path):
             found += 1
             assert not node.keywords, f"{path.name}:{node.lineno}"
             names = [a.id if isinstance(a, ast.Name) else None for a in node.args]
             assert names[:-1] == list(arguments.NAMES[:-1]), f"{path.name}:{node.lineno}: {names}"
             assert names[-1] == "accept_growth" or isinstance(node.args[-1], ast.Constant), f"{path.name}:{node.lineno}"
     assert found == 2                          # api.linear_attention and api.call
-    assert list(inspect.signature(engine.run).parameters) == list(arguments.NAMES)
+    assert list(inspect.signature(eager.run).parameters) == list(arguments.NAMES)
+
+
+def test_the_eager_path_is_what_its_generator_writes():
+    """deltarule/eager.py is checked in, generated from the record: an argument added to the
+    record, or a hand edit, fails here until `python -m deltarule.tools.eager_source` rewrites it."""
+    assert eager_source.PATH.read_text() == eager_source.source(), \
+        "deltarule/eager.py differs from its generator: run python -m deltarule.tools.eager_source"
+    assert eager_source.main(["--check"]) == 0
 
 
 def test_op_schemas_are_the_records():
@@ -71,7 +80,7 @@ def test_op_schemas_are_the_records():
     assert [a.name for a in slab.arguments if a.alias_info is not None and a.alias_info.is_write] == ["initial_state"]
     backward = torch.ops.deltarule.linear_attention_backward.default._schema
     assert [a.name for a in backward.arguments] == ["do", "dstate", *arguments.op_names()]
-    assert library._DIFFERENTIABLE == tuple(names.index(n) for n in arguments.OPERANDS)
+    assert custom_ops._DIFFERENTIABLE == tuple(names.index(n) for n in arguments.OPERANDS)
 
 
 def test_ops_exist_when_deltarule_is_imported():

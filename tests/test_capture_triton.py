@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 import deltarule  # noqa: E402
 from deltarule import cases, reference  # noqa: E402
-from deltarule.check import compare  # noqa: E402
+from deltarule.tools.check import compare  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-5                                   # float32 inputs, as tests/test_triton.py

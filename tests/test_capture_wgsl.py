@@ -23,7 +23,8 @@ if _REASON is not None:
 import torch  # noqa: E402
 
 import deltarule  # noqa: E402
-from deltarule import WgslStateSlab, cases, check, reference  # noqa: E402
+from deltarule import WgslStateSlab, cases, reference  # noqa: E402
+from deltarule.tools import check  # noqa: E402
 from deltarule.backends import wgsl_backend  # noqa: E402
 from deltarule.kernels.wgsl import recurrent  # noqa: E402
 

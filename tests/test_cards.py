@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import deltarule
-from deltarule import cards, check
-from deltarule.cards import cases, manifests
-from deltarule.cli import main as cli
+from deltarule import cards
+from deltarule.tools import check
+from deltarule.cards import fixtures, manifests
+from deltarule.tools.cli import main as cli
 from deltarule.contracts import ort
 from deltarule.problem import capture_parts
 
@@ -60,7 +61,7 @@ def test_gated_delta_net_manifest_is_the_adapters_contract():
         assert signature[a["name"]].default == a["default"], a["name"]
     positional = [n for n, p in signature.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
     assert [x["name"] for x in manifests.GATED_DELTA_NET["inputs"]] == positional
-    assert [x["bind"] for x in manifests.GATED_DELTA_NET["inputs"]] == list(cases.GDN_INPUTS)
+    assert [x["bind"] for x in manifests.GATED_DELTA_NET["inputs"]] == list(fixtures.GDN_INPUTS)
 
 
 def _ort_schema(name: str):
@@ -90,11 +91,11 @@ def test_gated_delta_net_manifest_is_onnxruntimes_schema():
 
 
 def _inputs(case):
-    return {bind: torch.from_numpy(cases.decode(t).copy()) for bind, t in case["inputs"].items()}
+    return {bind: torch.from_numpy(fixtures.decode(t).copy()) for bind, t in case["inputs"].items()}
 
 
 def _wide(t: dict) -> np.ndarray:
-    x = cases.decode(t)
+    x = fixtures.decode(t)
     if t["dtype"] == "bfloat16":
         return (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     return x.astype(np.float64)
@@ -106,7 +107,7 @@ def _rel(out, expected: dict) -> float:
 
 @pytest.fixture(scope="module")
 def gdn_cases():
-    return cases.gated_delta_net_tests()
+    return fixtures.gated_delta_net_tests()
 
 
 def test_gated_delta_net_expected_outputs_match_the_cpu_backend(gdn_cases):
@@ -114,7 +115,7 @@ def test_gated_delta_net_expected_outputs_match_the_cpu_backend(gdn_cases):
     default backend: the card's expected values and inputs are what the contract says they are."""
     for case in gdn_cases:
         x = _inputs(case)
-        outputs = ort.gated_delta_net(*(x.get(n) for n in cases.GDN_INPUTS), **case["attributes"])
+        outputs = ort.gated_delta_net(*(x.get(n) for n in fixtures.GDN_INPUTS), **case["attributes"])
         assert len(outputs) == len(case["expected"]), case["name"]
         for bind, out in zip(("outputT", "finalStateT", "stateUpdateT"), outputs):
             assert _rel(out, case["expected"][bind]) <= case["tolerance"][bind], (case["name"], bind)
@@ -124,7 +125,7 @@ def _card_capture(case, backend):
     """A capture case's state_update on `backend`: the ORT adapter's mapping (its zero `capture`
     buffer when active), linear_attention on `backend`, then zeros past the clamped counts."""
     x = _inputs(case)
-    _, args, _ = ort.gated_delta_net_arguments(*(x.get(n) for n in cases.GDN_INPUTS), **case["attributes"])
+    _, args, _ = ort.gated_delta_net_arguments(*(x.get(n) for n in fixtures.GDN_INPUTS), **case["attributes"])
     out = torch.zeros(case["expected"]["stateUpdateT"]["shape"])
     if "capture" not in args:                       # state_update_active = 0: nothing captured
         return out
@@ -151,7 +152,7 @@ def test_gated_delta_net_state_update_matches_the_wgsl_capture(gdn_cases):
         got = _card_capture(case, "wgsl")
         assert _rel(got, case["expected"]["stateUpdateT"]) <= case["tolerance"]["stateUpdateT"], case["name"]
     inactive = next(c for c in captured if c["name"].startswith("capture-inactive"))
-    assert not cases.decode(inactive["expected"]["stateUpdateT"]).any()
+    assert not fixtures.decode(inactive["expected"]["stateUpdateT"]).any()
 
 
 def test_gated_delta_net_cases_cover_ort_132s_additions(gdn_cases):
@@ -167,11 +168,11 @@ def test_gated_delta_net_cases_cover_ort_132s_additions(gdn_cases):
     assert any(c["attributes"]["gate_lower_bound"] != -5.0 for c in per_key)
     assert any(c["inputs"]["queryT"]["shape"][1] >= 128 for c in per_key if len(c["inputs"]["queryT"]["shape"]) == 4)
     counts = by_name["capture-C3-T16-cu-empty-counts-clamped"]["inputs"]["captureCountT"]
-    assert cases.decode(counts).tolist() == [2, 3, 9, 9, -1]
+    assert fixtures.decode(counts).tolist() == [2, 3, 9, 9, -1]
 
 
 def test_gate_expected_outputs_match_deltarule_gate():
-    for case in cases.linear_attention_gate_tests():
+    for case in fixtures.linear_attention_gate_tests():
         x = _inputs(case)
         decay, beta = ort.linear_attention_gate(x["aT"], x["dtBiasT"], x["decayScaleT"], x.get("bT"))
         assert _rel(decay, case["expected"]["decayT"]) <= case["tolerance"]["decayT"], case["name"]
@@ -182,7 +183,7 @@ def test_gate_expected_outputs_match_deltarule_gate():
 def test_linear_attention_cases_come_from_test_json():
     """Every float32-state case of deltarule's test.json within the size caps, each dtype it
     lists; the strong-decay long sequences included."""
-    names = {c["name"] for c in cases.linear_attention_tests()}
+    names = {c["name"] for c in fixtures.linear_attention_tests()}
     assert {"varlen-T90-empty", "spec-B3-L4-accepted-gva", "slab-B3-T20-indices",
             "gdn2-B2-T65-H4-K32-gk-erase-write", "gdn2-B2-T65-H4-K32-gk-erase-write-bfloat16",
             "strong-B1-T2048-H2-K32-g", "reset-B1-T100-g-minus-inf"} <= names
@@ -192,10 +193,10 @@ def test_linear_attention_cases_come_from_test_json():
 
 def test_tensor_roundtrip_and_16_bit_bits():
     x = torch.tensor([1.0, -2.5, 65504.0], dtype=torch.float16)
-    t = cases.tensor(x)
-    assert t["dtype"] == "float16" and cases.decode(t).tolist() == [1.0, -2.5, 65504.0]
-    b = cases.tensor(torch.tensor([1.0, -3.0]), torch.bfloat16)
-    assert cases.decode(b).tolist() == [0x3F80, 0xC040]
+    t = fixtures.tensor(x)
+    assert t["dtype"] == "float16" and fixtures.decode(t).tolist() == [1.0, -2.5, 65504.0]
+    b = fixtures.tensor(torch.tensor([1.0, -3.0]), torch.bfloat16)
+    assert fixtures.decode(b).tolist() == [0x3F80, 0xC040]
 
 
 def test_cli_rejects_an_unknown_card(tmp_path, capsys):

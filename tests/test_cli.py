@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from deltarule.cli import main
+from deltarule.tools.cli import main
 
 
 def test_info_lists_backends(capsys):
@@ -18,7 +18,7 @@ def test_info_lists_backends(capsys):
 def test_info_lists_library_versions_and_whether_tested(capsys, monkeypatch):
     import importlib.metadata
 
-    from deltarule import versions
+    from deltarule.tools import versions
 
     assert main(["info"]) == 0
     out = capsys.readouterr().out
@@ -78,7 +78,7 @@ def test_check_peers_compares_adapters_with_their_runtimes(capsys):
 
 
 def test_check_peers_reports_a_missing_runtime_as_skipped(capsys, monkeypatch):
-    import deltarule.peers as peers
+    import deltarule.tools.oracles as peers
 
     def missing(*args, **kwargs):
         raise peers.PeerMissing("onnxruntime is not installed")
@@ -112,7 +112,7 @@ def test_check_with_no_matching_case_fails(capsys):
 
 def test_check_with_no_case_of_the_dtype_fails_naming_dtype(capsys, monkeypatch):
     """slab-* cases list float32 and bfloat16 only: --dtype float16 selects nothing, before any call."""
-    from deltarule import check
+    from deltarule.tools import check
 
     monkeypatch.setattr(check, "compare", _must_not_run("check.compare"))
     assert main(["check", "--case", "slab-", "--dtype", "float16"]) == 2
@@ -245,7 +245,7 @@ def test_card_export_still_writes_into_a_new_nested_folder(tmp_path, capsys):
 @pytest.mark.parametrize("error", ["contract", "unsupported"])
 def test_export_onnx_prints_the_exporters_user_errors_as_one_line(error, tmp_path, capsys, monkeypatch):
     """The exporter's own ContractError / Unsupported (even a message of several lines) is one line."""
-    import deltarule.export as export
+    import deltarule.onnx.export as export
     from deltarule import ContractError, Unsupported
 
     def onnx(model_dir, out_dir, **kwargs):
@@ -263,7 +263,7 @@ def test_export_onnx_prints_the_exporters_user_errors_as_one_line(error, tmp_pat
 
 
 def test_export_onnx_checks_out_dir_before_exporting(tmp_path, capsys, monkeypatch):
-    import deltarule.export as export
+    import deltarule.onnx.export as export
 
     monkeypatch.setattr(export, "onnx", _must_not_run("export.onnx"))
     blocker = tmp_path / "out.onnx"
@@ -301,10 +301,10 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
 
 def test_usage_errors_exit_2_without_a_traceback(capsys, monkeypatch):
     """argparse's usage errors (exit status 2, a usage line and the error) for each subcommand."""
-    import deltarule.bench as bench
+    import deltarule.tools.bench as bench
     import deltarule.cards as cards
-    import deltarule.check as check
-    import deltarule.export as export
+    import deltarule.tools.check as check
+    import deltarule.onnx.export as export
 
     for module, name in ((bench, "run"), (bench, "copy_bandwidth"), (check, "compare"), (cards, "export"),
                          (export, "onnx")):    # an option let through fails at once, not after a long run
@@ -323,9 +323,9 @@ def test_usage_errors_exit_2_without_a_traceback(capsys, monkeypatch):
 
 
 def test_writable_file_and_folder(tmp_path):
-    """deltarule.paths: each refusal names the option and why; a writable path comes back as a str."""
+    """deltarule.tools.paths: each refusal names the option and why; a writable path comes back as a str."""
     from deltarule import ContractError
-    from deltarule.paths import writable_file, writable_folder
+    from deltarule.tools.paths import writable_file, writable_folder
 
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -1,5 +1,5 @@
 """deltarule under `torch.compile` (issue 20): a traced call becomes one of the custom ops of
-`deltarule.library`, so `fullgraph=True` compiles (a graph break is an error there) and the
+`deltarule.custom_ops`, so `fullgraph=True` compiles (a graph break is an error there) and the
 compiled function matches eager, gradients included. With a plan the traced code reads no index
 tensor on the host (a `.tolist()` or `.item()` in traced code is a graph break, so an error
 with `fullgraph=True`): the property a CUDA graph capture needs. Each test names the backend
@@ -12,7 +12,7 @@ import torch
 
 import deltarule
 from deltarule import ContractError, cases
-from deltarule.check import expected
+from deltarule.tools.check import expected
 
 from conftest import CPU, rel, small_case
 

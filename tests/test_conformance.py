@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import deltarule
-from deltarule.check import compare
+from deltarule.tools.check import compare
 from deltarule import cases
 
 from deltarule.backends import cpu_backend

@@ -1,4 +1,4 @@
-"""deltarule.contracts.onnx against ONNX's own reference implementation.
+"""deltarule.contracts.onnx_linear_attention against ONNX's own reference implementation.
 
 Each peer test builds a one-node `LinearAttention` model (domain "", opset 27)
 with `onnx.helper` and runs it with `onnx.reference.ReferenceEvaluator`, then
@@ -16,8 +16,8 @@ import torch
 
 import deltarule
 from deltarule import ContractError
-from deltarule.contracts import onnx as donnx
-from deltarule.peers import run_onnx_node
+from deltarule.contracts import onnx_linear_attention as donnx
+from deltarule.tools.oracles import run_onnx_node
 
 from conftest import rel, rng_for
 

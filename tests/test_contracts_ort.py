@@ -16,7 +16,7 @@ import torch
 import deltarule
 from deltarule import ContractError
 from deltarule.contracts import ort as dort
-from deltarule.peers import run_onnx_node
+from deltarule.tools.oracles import run_onnx_node
 
 from conftest import rel, rng_for
 
@@ -47,7 +47,7 @@ def betas(rng, *shape):
 
 
 def run_ort(op, inputs, outputs, **attrs):
-    """Run a one-node com.microsoft model on ORT's CPU EP (see deltarule.peers.run_onnx_node)."""
+    """Run a one-node com.microsoft model on ORT's CPU EP (see deltarule.tools.oracles.run_onnx_node)."""
     pytest.importorskip("onnxruntime", reason="the peer runtime onnxruntime is not installed")
     pytest.importorskip("onnx", reason="onnx (to build the peer model) is not installed")
     return run_onnx_node(op, inputs, outputs, domain="com.microsoft", **attrs)

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import deltarule
 from deltarule import ContractError
-from deltarule.check import expected_with_capture
+from deltarule.tools.check import expected_with_capture
 from deltarule.contracts import ort as dort
 
 from conftest import rel, rng_for

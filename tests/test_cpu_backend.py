@@ -15,7 +15,7 @@ from deltarule import backends, batch, cases
 from deltarule.backends import cpu_backend
 from deltarule.kernels.cpu import layout as cpu_layout
 from deltarule.kernels.cpu import recurrent as cpu_recurrent
-from deltarule.check import expected
+from deltarule.tools.check import expected
 
 from conftest import rel
 

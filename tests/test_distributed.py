@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import deltarule
-from deltarule.check import STORE_TOL
+from deltarule.tools.check import STORE_TOL
 from distributed_cases import CASES, DISAGREEMENTS, GRAD_TOL, REFUSALS, TOL
 
 WORLD_SIZES = (2, 3, 4)

@@ -13,29 +13,31 @@ import deltarule.cards
 import deltarule.contracts.ascend
 import deltarule.contracts.fla
 import deltarule.contracts.slab
-import deltarule.conv
+import deltarule.conv.slab
+import deltarule.conv.with_state
+import deltarule.custom_ops
 import deltarule.distributed
-import deltarule.export.exporter
 import deltarule.gate  # noqa: F401 - the module (deltarule.gate is the function `gate`)
+import deltarule.integrations.drop_ins
 import deltarule.integrations.hf_kernels
-import deltarule.integrations.transformers
 import deltarule.kernels.cpu.layout
 import deltarule.kernels.cpu.recurrent
-import deltarule.library
-import deltarule.paths
+import deltarule.onnx.export.exporter
 import deltarule.replay  # noqa: F401 - the module (deltarule.replay is the function `replay`)
-import deltarule.versions
+import deltarule.tools.paths
+import deltarule.tools.versions
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
 
 @pytest.mark.parametrize("module", [deltarule.api, deltarule.batch, deltarule.cards, deltarule.contracts.ascend,
-                                    deltarule.contracts.fla, deltarule.contracts.slab, deltarule.conv, deltarule.distributed,
-                                    deltarule.export.exporter, sys.modules["deltarule.gate"], deltarule.paths,
-                                    deltarule.integrations.hf_kernels, deltarule.integrations.transformers,
-                                    deltarule.kernels.cpu.layout, deltarule.kernels.cpu.recurrent, deltarule.library,
-                                    sys.modules["deltarule.replay"], deltarule.versions],
+                                    deltarule.contracts.fla, deltarule.contracts.slab, deltarule.conv.slab,
+                                    deltarule.conv.with_state, deltarule.distributed,
+                                    deltarule.onnx.export.exporter, sys.modules["deltarule.gate"], deltarule.tools.paths,
+                                    deltarule.integrations.drop_ins, deltarule.integrations.hf_kernels,
+                                    deltarule.kernels.cpu.layout, deltarule.kernels.cpu.recurrent, deltarule.custom_ops,
+                                    sys.modules["deltarule.replay"], deltarule.tools.versions],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)

@@ -1,4 +1,4 @@
-"""`deltarule.export.onnx`: every hybrid family transformers ships, exported from a tiny random
+"""`deltarule.onnx.export.export_model`: every hybrid family transformers ships, exported from a tiny random
 checkpoint, runs in onnxruntime (and through `deltarule.onnx.run`, and onnx's reference
 evaluator) with transformers' logits and greedy tokens; the graph has one fused node per
 linear layer and no token loop; what cannot be exported is refused at export time."""
@@ -18,9 +18,9 @@ transformers = pytest.importorskip("transformers")
 import onnx  # noqa: E402
 
 import deltarule  # noqa: E402
-import deltarule.export  # noqa: E402
-from deltarule.bench import checkpoints  # noqa: E402
-from deltarule.export.generate import DecoderSession  # noqa: E402
+import deltarule.onnx.export  # noqa: E402
+from deltarule.tools.bench import checkpoints  # noqa: E402
+from deltarule.onnx.export.generate import DecoderSession  # noqa: E402
 from deltarule.integrations import transformers as integration  # noqa: E402
 
 from conftest import rel  # noqa: E402
@@ -42,7 +42,7 @@ def exported(root):
     def get(family, target="ort", dtype="float32"):
         if (family, target, dtype) not in done:
             ck = checkpoints.save(family, str(root / f"ck-{family}-{dtype}"), dtype=dtype)
-            done[family, target, dtype] = ck, deltarule.export.onnx(ck, str(root / f"{family}-{target}-{dtype}"),
+            done[family, target, dtype] = ck, deltarule.onnx.export.export_model(ck, str(root / f"{family}-{target}-{dtype}"),
                                                                    target=target, dtype=dtype)
         return done[family, target, dtype]
     return get
@@ -112,7 +112,7 @@ def test_names_and_dimensions_are_transformers_js(exported, family):
 
 def _model_config(exported, family):
     ck, _ = exported(family)
-    from deltarule.export.decoder import text_config
+    from deltarule.onnx.export.decoder import text_config
     return text_config(transformers.AutoConfig.from_pretrained(ck))
 
 
@@ -262,7 +262,7 @@ def test_ort_gpu_target_is_gated_delta_net_with_fused_gates_and_transformers_log
     one Sigmoid fewer per layer, fewer nodes than the ort target's graph. In onnxruntime (CPU) a
     padded prefill then decode steps feeding the state back give transformers' logits;
     `deltarule.onnx.run` (the node computed by deltarule) gives onnxruntime's."""
-    from deltarule.export.translate import GATED_DELTA_NET_L2NORM_EPS
+    from deltarule.onnx.export.translate import GATED_DELTA_NET_L2NORM_EPS
     ck, ex = exported(family, "ort-gpu")
     _, ort_ex = exported(family)
     model = onnx.load(ex.path)
@@ -330,7 +330,7 @@ def test_ort_gpu_refuses_gqa_naming_the_layer_before_converting(monkeypatch):
     """GatedDeltaNet takes value heads a multiple of query heads; more query heads than key /
     value heads (GQA) has no node: refused at export time, naming the layer, before torch.onnx
     runs. The ort target exports the same program."""
-    from deltarule.export.exporter import _check_calls, to_onnx
+    from deltarule.onnx.export.exporter import _check_calls, to_onnx
     B, T, K = 1, 2, 8
     args = (torch.randn(B, T, 4, K), torch.randn(B, T, 2, K), torch.randn(B, T, 2, K), -torch.rand(B, T, 2),
             torch.rand(B, T, 2))
@@ -358,16 +358,16 @@ def test_bad_arguments_and_unknown_families_are_refused_before_writing(tmp_path,
     out = tmp_path / "out"
     for target in ("tflite", "ort_gpu", "ORT-GPU", "webgpu"):
         with pytest.raises(deltarule.ContractError, match="^target: expected 'ort' \\| 'onnx' \\| 'ort-gpu', got"):
-            deltarule.export.onnx(ck, str(out), target=target)
+            deltarule.onnx.export.export_model(ck, str(out), target=target)
     with pytest.raises(deltarule.ContractError, match="dtype"):
-        deltarule.export.onnx(ck, str(out), dtype="int8")
+        deltarule.onnx.export.export_model(ck, str(out), dtype="int8")
     with pytest.raises(deltarule.ContractError, match="model_dir"):
-        deltarule.export.onnx(str(tmp_path / "missing"), str(out))
+        deltarule.onnx.export.export_model(str(tmp_path / "missing"), str(out))
     llama = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                      num_key_value_heads=1, intermediate_size=64)
     transformers.LlamaForCausalLM(llama).save_pretrained(tmp_path / "llama")
     with pytest.raises(deltarule.Unsupported, match="'llama' has no linear-attention layers"):
-        deltarule.export.onnx(str(tmp_path / "llama"), str(out))
+        deltarule.onnx.export.export_model(str(tmp_path / "llama"), str(out))
     assert not out.exists()
 
 
@@ -406,7 +406,7 @@ def test_gated_deltanet2_becomes_ai_deltarule_linear_attention_with_its_body(tar
     ``ai.deltarule::LinearAttention`` node carrying its function body: onnxruntime runs the body
     (standard ops), `deltarule.onnx.run` computes the node; both equal the eager call, at a
     batch and length other than the traced ones."""
-    from deltarule.export.exporter import to_onnx
+    from deltarule.onnx.export.exporter import to_onnx
     from deltarule.onnx import run
     import onnxruntime as ort
     batch, seq = torch.export.Dim("batch_size", min=1, max=64), torch.export.Dim("sequence_length", min=2, max=512)
@@ -426,7 +426,7 @@ def test_gated_deltanet2_becomes_ai_deltarule_linear_attention_with_its_body(tar
 
 
 def test_a_call_without_a_node_is_refused_naming_its_layer():
-    from deltarule.export.exporter import _check_calls
+    from deltarule.onnx.export.exporter import _check_calls
     B, T, H, K = 2, 1, 2, 8
     args = (torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, K), -torch.rand(B, T, H),
             torch.rand(B, T, H), torch.zeros(4, H, K, K), torch.tensor([3, 1]))
@@ -436,7 +436,7 @@ def test_a_call_without_a_node_is_refused_naming_its_layer():
 
 
 def test_command_line(tmp_path, exported, capsys):
-    from deltarule.cli import main
+    from deltarule.tools.cli import main
     ck, _ = exported("qwen3_5")
     assert main(["export", "onnx", ck, str(tmp_path / "cli"), "--target", "onnx"]) == 0
     out = capsys.readouterr().out
@@ -470,7 +470,7 @@ def test_a_conditional_generation_checkpoint_gets_transformers_js_text_only_pair
     text-only as embed_tokens + decoder_model_merged (inputs_embeds in): the export writes that
     pair beside model.onnx, and the pair generates transformers' greedy tokens."""
     ck = checkpoints.save_conditional_generation("qwen3_5", str(tmp_path / "ck"))
-    ex = deltarule.export.onnx(ck, str(tmp_path / "out"))
+    ex = deltarule.onnx.export.export_model(ck, str(tmp_path / "out"))
     assert set(ex.text_only) == {"embed_tokens", "decoder_model_merged"}
     merged = onnx.load(ex.text_only["decoder_model_merged"])
     dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in merged.graph.input}
@@ -495,7 +495,7 @@ def test_a_causal_lm_checkpoint_gets_no_text_only_pair(exported):
 
 
 # The other families `enable()` binds, from tests/test_transformers.py's tiny models (no
-# deltarule.bench.checkpoints form): two export and run, two are refused at export time
+# deltarule.tools.bench.checkpoints form): two export and run, two are refused at export time
 OTHER_FAMILIES = ["bailing_hybrid", "lara_mini"]
 REFUSED = {"qwen4_exp": "torch.export cannot trace transformers' model",
            "glm5_next": "AutoModelForCausalLM does not load"}
@@ -512,7 +512,7 @@ def _save_tiny(family, directory):
 @pytest.mark.parametrize("family", OTHER_FAMILIES)
 def test_other_families_export_and_generate_transformers_tokens(tmp_path, family):
     model = _save_tiny(family, tmp_path / "ck")
-    ex = deltarule.export.onnx(str(tmp_path / "ck"), str(tmp_path / "out"))
+    ex = deltarule.onnx.export.export_model(str(tmp_path / "ck"), str(tmp_path / "out"))
     assert ex.ops[("com.microsoft", "LinearAttention")] == ex.ops[("com.microsoft", "CausalConvWithState")] == 1
     prompt = torch.randint(3, 120, (2, 7), generator=torch.Generator().manual_seed(6))
     with torch.no_grad(), integration.torch_fallback():
@@ -528,7 +528,7 @@ def test_other_families_export_and_generate_transformers_tokens(tmp_path, family
 def test_families_that_do_not_export_are_refused_at_export_time(tmp_path, family):
     _save_tiny(family, tmp_path / "ck")
     with pytest.raises(deltarule.Unsupported, match=REFUSED[family]):
-        deltarule.export.onnx(str(tmp_path / "ck"), str(tmp_path / "out"))
+        deltarule.onnx.export.export_model(str(tmp_path / "ck"), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
 
@@ -541,10 +541,10 @@ def test_weights_past_the_protobuf_limit_go_to_one_external_file(tmp_path, expor
     """Weights past what one protobuf file holds go to ``model.onnx_data`` beside the model (here
     with the limit lowered), which onnxruntime loads, and config.json tells transformers.js so."""
     import json
-    from deltarule.export import exporter
+    from deltarule.onnx.export import exporter
     ck, ex = exported("qwen3_5")
     monkeypatch.setattr(exporter, "EXTERNAL_DATA_BYTES", 1 << 20)
-    out = deltarule.export.onnx(ck, str(tmp_path / "out"))
+    out = deltarule.onnx.export.export_model(ck, str(tmp_path / "out"))
     assert (tmp_path / "out" / "onnx" / "model.onnx_data").stat().st_size > (1 << 20)
     assert (tmp_path / "out" / "onnx" / "model.onnx").stat().st_size < (1 << 20)
     with open(tmp_path / "out" / "config.json") as f:

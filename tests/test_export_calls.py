@@ -1,4 +1,4 @@
-"""`deltarule.export.to_onnx` on single `linear_attention` calls: every argument of the call
+"""`deltarule.onnx.export.to_onnx` on single `linear_attention` calls: every argument of the call
 record the translation accepts (gate forms, g with gk, the raw-gate arm, the sigmoid on every
 gate, scales including 0, L2 norm, state layouts and dtypes, GQA / GVA, 16-bit operands beside
 float32 gates) gives the eager call's result in ONNX Runtime and in `deltarule.onnx.run`, on
@@ -22,9 +22,9 @@ pytest.importorskip("onnxscript")
 ort = pytest.importorskip("onnxruntime")
 
 import deltarule  # noqa: E402
-from deltarule.check import STORE_TOL  # noqa: E402
-from deltarule.export.exporter import to_onnx  # noqa: E402
-from deltarule.export.translate import GATED_DELTA_NET_L2NORM_EPS  # noqa: E402
+from deltarule.tools.check import STORE_TOL  # noqa: E402
+from deltarule.onnx.export.exporter import to_onnx  # noqa: E402
+from deltarule.onnx.export.translate import GATED_DELTA_NET_L2NORM_EPS  # noqa: E402
 from deltarule.onnx import run  # noqa: E402
 
 from strategies import Call, make_args, valid_calls  # noqa: E402

@@ -1,4 +1,4 @@
-"""`deltarule.export.onnx` at transformers.js's dtypes (deltarule/export/quantize.py): several
+"""`deltarule.onnx.export.export_model` at transformers.js's dtypes (deltarule/onnx/export/quantize.py): several
 dtypes from one call, each in the file transformers.js resolves, quantized by onnxruntime's
 weight-only quantizer with every weight MatMul (the tied LM head included) quantized; the files
 run in onnxruntime; bad dtypes and quantization options are refused before anything is written."""
@@ -20,10 +20,10 @@ import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
 import deltarule  # noqa: E402
-import deltarule.export  # noqa: E402
-from deltarule.bench import checkpoints  # noqa: E402
-from deltarule.export import Quantization, lean, quantize  # noqa: E402
-from deltarule.export.generate import DecoderSession  # noqa: E402
+import deltarule.onnx.export  # noqa: E402
+from deltarule.tools.bench import checkpoints  # noqa: E402
+from deltarule.onnx.export import Quantization, lean, quantize  # noqa: E402
+from deltarule.onnx.export.generate import DecoderSession  # noqa: E402
 
 from conftest import rel  # noqa: E402
 
@@ -54,7 +54,7 @@ def tied(tmp_path_factory):
 def every_dtype(tied, tmp_path_factory):
     """The tied checkpoint at every dtype, in one call (float32 aliases fp32: not written twice)."""
     out = str(tmp_path_factory.mktemp("every"))
-    return deltarule.export.onnx(tied, out, dtype=["q4", "fp32", "float32", "fp16", "q8", "q4f16"])
+    return deltarule.onnx.export.export_model(tied, out, dtype=["q4", "fp32", "float32", "fp16", "q8", "q4f16"])
 
 
 def _weight_matmuls(model):
@@ -154,7 +154,7 @@ def test_q4_greedy_in_onnxruntime_and_runner(every_dtype):
 def test_standard_target_quantizes_to_dequantize_linear(tied, every_dtype, tmp_path):
     """The "onnx" target keeps to standard ops: blocked DequantizeLinear -> MatMul (the
     options reach the quantizer: blocks of 16, zero points)."""
-    ex = deltarule.export.onnx(tied, str(tmp_path / "out"), target="onnx", dtype="q4",
+    ex = deltarule.onnx.export.export_model(tied, str(tmp_path / "out"), target="onnx", dtype="q4",
                                quantization=Quantization(block_size=16, symmetric=False))
     model = onnx.load(ex.models["q4"]["model"])
     assert not any(n.domain == "com.microsoft" for n in model.graph.node)
@@ -171,7 +171,7 @@ def test_text_only_pair_at_each_dtype(tmp_path):
     """A ...ForConditionalGeneration checkpoint: embed_tokens<suffix> / decoder_model_merged<suffix>
     per dtype; the q4 pair generates the q4 decoder's tokens."""
     ck = checkpoints.save_conditional_generation("qwen3_5", str(tmp_path / "ck"))
-    ex = deltarule.export.onnx(ck, str(tmp_path / "out"), dtype=["q4", "fp32"])
+    ex = deltarule.onnx.export.export_model(ck, str(tmp_path / "out"), dtype=["q4", "fp32"])
     onnx_dir = os.path.join(ex.directory, "onnx")
     assert sorted(os.listdir(onnx_dir)) == sorted(
         ["model.onnx", "embed_tokens.onnx", "decoder_model_merged.onnx",
@@ -197,15 +197,15 @@ def test_text_only_pair_at_each_dtype(tmp_path):
 def test_bad_dtype_or_quantization_refused_before_writing(tied, tmp_path, kwargs, argument):
     out = tmp_path / "out"
     with pytest.raises(deltarule.ContractError) as info:
-        deltarule.export.onnx(tied, str(out), **kwargs)
+        deltarule.onnx.export.export_model(tied, str(out), **kwargs)
     assert info.value.argument == argument
     assert not out.exists() or not any(out.iterdir())
     assert [p.name for p in tmp_path.iterdir() if p.name != "out"] == []          # no staging folder left
 
 
 def test_cli_dtypes_and_refusal(tied, tmp_path, capsys):
-    from deltarule import cli
-    from deltarule.export import graph
+    from deltarule.tools import cli
+    from deltarule.onnx.export import graph
     assert cli.EXPORT_DTYPES == (*quantize.DTYPES, *quantize.ALIASES)
     assert cli.EXPORT_TARGETS == tuple(graph.TARGETS)
     with pytest.raises(SystemExit) as exit_:                         # argparse: a usage error
@@ -232,7 +232,7 @@ def test_num_logits_to_keep(tied, every_dtype, tmp_path):
     those rows; the repeated key / value heads before Attention are gone; greedy tokens are the
     full decoder's; no genai_config.json (genai does not feed the input)."""
     full = every_dtype.models["fp32"]["model"]
-    ex = deltarule.export.onnx(tied, str(tmp_path / "last"), dtype=["fp32", "q4"], num_logits_to_keep=True)
+    ex = deltarule.onnx.export.export_model(tied, str(tmp_path / "last"), dtype=["fp32", "q4"], num_logits_to_keep=True)
     assert ex.inputs[-1] == "num_logits_to_keep" and ex.genai_model is None and ex.no_genai_config
     assert not os.path.exists(os.path.join(ex.directory, "genai_config.json"))
     model = onnx.load(ex.path)
@@ -257,7 +257,7 @@ def test_moe_experts_left_float_are_named(tmp_path):
     """The quantizer takes 2-D weights only: a MoE layer's batched expert weights stay float,
     and the export says so (Exported.quantized[dtype].left_float), the rest quantized."""
     ck = checkpoints.save("qwen3_5_moe", str(tmp_path / "ck"))
-    ex = deltarule.export.onnx(ck, str(tmp_path / "out"), dtype="q4")
+    ex = deltarule.onnx.export.export_model(ck, str(tmp_path / "out"), dtype="q4")
     left = ex.quantized["q4"].left_float
     assert left and all(len(shape) == 3 for _, shape in left)
     assert ex.quantized["q4"].made[("com.microsoft", "MatMulNBits")] > 0

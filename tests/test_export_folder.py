@@ -1,4 +1,4 @@
-"""`deltarule.export.onnx` refuses what it cannot do right before it works, and writes its folder
+"""`deltarule.onnx.export.export_model` refuses what it cannot do right before it works, and writes its folder
 whole or not at all: bad arguments and paths before the checkpoint loads, weights that do not
 fit the model before anything is written, a killed export leaves no model, `overwrite` clears
 what an earlier export wrote (and only that)."""
@@ -21,9 +21,9 @@ transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
 
 import deltarule  # noqa: E402
-import deltarule.export  # noqa: E402
-from deltarule.bench import checkpoints  # noqa: E402
-from deltarule.export import exporter  # noqa: E402
+import deltarule.onnx.export  # noqa: E402
+from deltarule.tools.bench import checkpoints  # noqa: E402
+from deltarule.onnx.export import exporter  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def _copy(checkpoint: str, directory, *, config=None, weights=None) -> str:
 
 def _refused(error, argument_or_text: str, model_dir, out_dir, **kwargs):
     with pytest.raises(error) as info:
-        deltarule.export.onnx(model_dir, out_dir, **kwargs)
+        deltarule.onnx.export.export_model(model_dir, out_dir, **kwargs)
     if error is deltarule.ContractError:
         assert info.value.argument == argument_or_text, str(info.value)
     else:
@@ -152,13 +152,13 @@ def test_a_failing_export_leaves_nothing(tmp_path, checkpoint, monkeypatch):
         raise RuntimeError("disk full")
     monkeypatch.setattr(exporter, "_write_genai_config", fail)
     with pytest.raises(RuntimeError, match="disk full"):
-        deltarule.export.onnx(checkpoint, str(tmp_path / "out"))
+        deltarule.onnx.export.export_model(checkpoint, str(tmp_path / "out"))
     assert os.listdir(tmp_path) == []
 
 
 _KILLED = """
 import os, signal, sys
-from deltarule.export import exporter
+from deltarule.onnx.export import exporter
 def killed(config, layout, out_dir, *, filename):
     assert os.path.isfile(os.path.join(out_dir, "onnx", "model.onnx"))      # the model is written
     os.kill(os.getpid(), signal.SIGKILL)
@@ -181,13 +181,13 @@ def test_overwrite_clears_what_an_export_wrote_and_keeps_the_rest(tmp_path, chec
     genai_config.json and tokenizer files are gone (OLMo-Hybrid writes no genai config and its
     checkpoint has no tokenizer here), a file of the user's stays."""
     out = tmp_path / "out"
-    first = deltarule.export.onnx(checkpoint, str(out))
+    first = deltarule.onnx.export.export_model(checkpoint, str(out))
     assert first.no_genai_config is None and (out / "genai_config.json").is_file()
     (out / "tokenizer.json").write_text("{}")
     (out / "notes.txt").write_text("mine")
     olmo = checkpoints.save("olmo_hybrid", str(tmp_path / "olmo"))
     _refused(deltarule.ContractError, "out_dir", olmo, str(out))
-    second = deltarule.export.onnx(olmo, str(out), overwrite=True)
+    second = deltarule.onnx.export.export_model(olmo, str(out), overwrite=True)
     assert second.no_genai_config is not None
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "notes.txt", "onnx"]
     assert json.loads((out / "config.json").read_text())["model_type"] == "olmo_hybrid"
@@ -196,7 +196,7 @@ def test_overwrite_clears_what_an_export_wrote_and_keeps_the_rest(tmp_path, chec
 
 
 def test_command_line_overwrite(tmp_path, checkpoint, capfd):
-    from deltarule.cli import main
+    from deltarule.tools.cli import main
     weights = safetensors.load_file(os.path.join(checkpoint, "model.safetensors"))
     missing = _copy(checkpoint, tmp_path / "missing", weights={k: v for k, v in weights.items() if k != "lm_head.weight"})
     assert main(["export", "onnx", missing, str(tmp_path / "x")]) == 2

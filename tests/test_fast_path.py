@@ -1,5 +1,5 @@
 """The decode fast path (issue 20): a call whose plan (given, or found by its index values)
-already saw its signature runs the launch kept with the plan (`engine.run`,
+already saw its signature runs the launch kept with the plan (`eager.run`,
 `cpu_backend.Launch`) instead of validating again. Each test names the backend it checks: the
 fast path is the cpu backend's. What it must keep: every result of the full path, every
 refusal (the values and addresses checked per call: log-decay signs, a slab that an input
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import deltarule
-from deltarule import ContractError, arguments, cases, engine
-from deltarule.check import expected
+from deltarule import ContractError, arguments, cases, eager, engine
+from deltarule.tools.check import expected
 
 from conftest import CPU, rel, small_case
 
@@ -194,8 +194,28 @@ def _changed_scalar(x) -> dict:
     return {"value": x * 2 + 1, "type": int(x) if x == int(x) else None}
 
 
+class _Key(Exception):
+    """The key `eager.run` computed for a call, raised by `_KeyProbe`."""
+
+
+class _KeyProbe:
+    """A plan stand-in that keeps no launch: `eager.run` asks it to make one, and it raises the
+    key it was asked under."""
+    _cache: dict = {}
+
+    def cached(self, key, build):
+        raise _Key(key)
+
+
+def launch_key(call: dict):
+    """The key `eager.run` looks `call`'s launch up under (the call with any plan)."""
+    with pytest.raises(_Key) as found:
+        eager.run_call({**call, "plan": _KeyProbe()})
+    return found.value.args[0]
+
+
 def test_each_validated_property_keys_its_own_launch(backend):
-    """The key a plan keeps a launch under (`engine.launch_key`, generated from
+    """The key a plan keeps a launch under (computed by `eager.run`, generated from
     `deltarule.arguments`) changes with every property validation checks that values and
     addresses do not decide, taken in turn for every argument of the record: each tensor's
     presence, shape, contiguity (a slab: strides), dtype, device and whether it needs grad,
@@ -204,7 +224,7 @@ def test_each_validated_property_keys_its_own_launch(backend):
     args, _, plan = slab_call(decay="g+gk", raw_gate=True)
     base = {n: a.default for n, a in arguments.BY_NAME.items() if a.kind != "tensor"}
     base.update(args, plan=plan, scale=0.25, backend=backend)
-    key = engine.launch_key(base)
+    key = launch_key(base)
     tried = set()
     with torch.enable_grad():
         for a in arguments.ARGUMENTS:
@@ -222,10 +242,10 @@ def test_each_validated_property_keys_its_own_launch(backend):
             for prop, y in changes.items():
                 if y is None and prop != "absent":
                     continue
-                assert engine.launch_key({**base, a.name: y}) != key, f"{a.name}: {prop}"
+                assert launch_key({**base, a.name: y}) != key, f"{a.name}: {prop}"
                 tried.add(a.name)
     assert tried == {a.name for a in arguments.ARGUMENTS if a.kind not in ("index?", "plan?", "capture?")}
-    assert engine.launch_key(dict(base)) == key            # and it is a key: equal calls, equal keys
+    assert launch_key(dict(base)) == key            # and it is a key: equal calls, equal keys
 
 
 def test_a_changed_property_runs_a_launch_of_its_own(backend):

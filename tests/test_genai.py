@@ -1,5 +1,5 @@
-"""onnxruntime-genai running deltarule's ONNX export (deltarule/export/genai.py): the folder
-`deltarule.export.onnx` writes (``onnx/model.onnx`` and ``genai_config.json``) generates in
+"""onnxruntime-genai running deltarule's ONNX export (deltarule/onnx/export/genai.py): the folder
+`deltarule.onnx.export.export_model` writes (``onnx/model.onnx`` and ``genai_config.json``) generates in
 onnxruntime-genai 0.18 the greedy tokens transformers generates on the same tiny random
 checkpoint, from token ids (no tokenizer). Qwen3.5 runs as genai's ``qwen3_5_text`` (position
 ids [3, batch, sequence]), Qwen3-Next as its generic ``decoder``.
@@ -15,8 +15,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-import deltarule.export  # noqa: E402
-from deltarule.bench import checkpoints  # noqa: E402
+import deltarule.onnx.export  # noqa: E402
+from deltarule.tools.bench import checkpoints  # noqa: E402
 
 PROMPTS = ([5, 17, 99, 3, 42], [7, 200, 31, 64, 9, 128, 250, 11, 4, 77, 150, 23, 8])
 NEW_TOKENS = 12
@@ -26,7 +26,7 @@ NEW_TOKENS = 12
 def exported(request, tmp_path_factory):
     checkpoint = checkpoints.save(request.param, str(tmp_path_factory.mktemp(request.param)))
     out = str(tmp_path_factory.mktemp(f"{request.param}_onnx"))
-    deltarule.export.onnx(checkpoint, out, target="ort")
+    deltarule.onnx.export.export_model(checkpoint, out, target="ort")
     return checkpoint, out
 
 
@@ -62,14 +62,14 @@ def exported_q4(tmp_path_factory):
     """Tiny Qwen3.5 at fp32 and q4 in one folder: genai_config.json names the q4 decoder."""
     checkpoint = checkpoints.save("qwen3_5", str(tmp_path_factory.mktemp("qwen3_5_q4_ck")))
     out = str(tmp_path_factory.mktemp("qwen3_5_q4"))
-    return deltarule.export.onnx(checkpoint, out, dtype=["fp32", "q4"])
+    return deltarule.onnx.export.export_model(checkpoint, out, dtype=["fp32", "q4"])
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=lambda p: f"{len(p)}_tokens")
 def test_q4_folder_greedy_tokens_equal_onnxruntime(exported_q4, prompt):
     """genai runs the q4 file (MatMulNBits, GatherBlockQuantized): its greedy tokens are
     onnxruntime's on the same file."""
-    from deltarule.export.generate import DecoderSession
+    from deltarule.onnx.export.generate import DecoderSession
     assert exported_q4.genai_model == "onnx/model_q4.onnx"
     session = DecoderSession(exported_q4.models["q4"]["model"])
     want = session.greedy(np.array([prompt]), NEW_TOKENS, eos_token_id=2)[0].tolist()

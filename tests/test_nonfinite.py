@@ -13,7 +13,7 @@ import torch
 import deltarule
 from deltarule import backends as registry
 from deltarule import cases
-from deltarule.check import expected
+from deltarule.tools.check import expected
 
 from conftest import CPU, rel, small_case
 

@@ -24,7 +24,8 @@ from onnx.reference import ReferenceEvaluator  # noqa: E402
 import deltarule  # noqa: E402
 from deltarule import ContractError  # noqa: E402
 from deltarule import onnx as donnx  # noqa: E402
-from deltarule.onnx import bench, ops  # noqa: E402
+from deltarule.onnx import custom_op as ops  # noqa: E402
+from deltarule.tools.bench import onnx_block as bench  # noqa: E402
 from deltarule.onnx import runner as run_module  # noqa: E402
 
 from conftest import rel

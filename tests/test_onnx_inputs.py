@@ -6,7 +6,7 @@ every static dimension), before any sub-model session is built, with `ContractEr
 the input; what ORT accepts (symbolic dimensions that differ, lists) stays accepted and gives
 ORT's outputs. A truncated or unreadable model file is refused naming ``model``.
 
-`deltarule.export.generate.DecoderSession` refuses, naming the argument and before its
+`deltarule.onnx.export.generate.DecoderSession` refuses, naming the argument and before its
 session runs: token ids outside [0, vocab) (the vocabulary read from the embedding table,
 else the logits' last dimension; a symbolic one refuses only negative ids), an empty or
 non-2-D-integer prompt, fewer than one new token, a mask or past state that does not fit,
@@ -29,7 +29,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from deltarule import ContractError  # noqa: E402
 from deltarule import onnx as donnx  # noqa: E402
-from deltarule.onnx import bench  # noqa: E402
+from deltarule.tools.bench import onnx_block as bench  # noqa: E402
 from deltarule.onnx.feeds import Inputs  # noqa: E402
 
 EXAMPLES = settings(max_examples=40, deadline=None, derandomize=True, database=None,
@@ -324,7 +324,7 @@ def test_unknown_output_names_are_refused_before_running(sessions, names, why):
 # DecoderSession
 # ---------------------------------------------------------------------------
 
-from deltarule.export.generate import DecoderSession  # noqa: E402
+from deltarule.onnx.export.generate import DecoderSession  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -334,11 +334,11 @@ def export(tmp_path_factory):
     [batch_size, 1, past_sequence_length, 64]."""
     pytest.importorskip("onnxscript")
     pytest.importorskip("transformers")
-    import deltarule.export
-    from deltarule.bench import checkpoints
+    import deltarule.onnx.export
+    from deltarule.tools.bench import checkpoints
     root = tmp_path_factory.mktemp("decoder")
     ck = checkpoints.save("qwen3_5", str(root / "ck"))
-    return deltarule.export.onnx(ck, str(root / "out")).path
+    return deltarule.onnx.export.export_model(ck, str(root / "out")).path
 
 
 class Counting:

@@ -50,7 +50,7 @@ from hypothesis import strategies as st
 import deltarule
 from deltarule import ContractError, Unsupported
 from deltarule.backends import REGISTRY
-from deltarule.check import STORE_TOL, expected
+from deltarule.tools.check import STORE_TOL, expected
 
 from conftest import GRAD_TOL, err, gradients, uninitialised_memory_is_nan
 from strategies import INDEX_ARGS, KINDS, Call, break_call, invalid_calls, make_args, valid_calls

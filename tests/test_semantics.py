@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import deltarule
 from deltarule import cases
-from deltarule.check import expected
+from deltarule.tools.check import expected
 from deltarule.kernels.torch import chunked as chunked_module
 
 from conftest import CPU, rel

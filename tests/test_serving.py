@@ -179,7 +179,7 @@ def test_few_token_rows_in_a_long_sequence(backend, layout):
     kernel keeps its tiles there, where most tokens storing take whole rows): each stored state
     (the read row, stored again by token 0, included) and every output equal the reference's
     (`check.expected`), other rows untouched."""
-    from deltarule.check import expected
+    from deltarule.tools.check import expected
 
     T, L = 70, 70
     rows = torch.full((2, L), -1, dtype=torch.int64)

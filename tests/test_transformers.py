@@ -412,8 +412,8 @@ def test_bench_model_reports_both_modes(monkeypatch, tmp_path, capsys):
     """`deltarule bench --model`, on a shrunken qwen3_5 so that it runs in seconds."""
     import json
 
-    from deltarule import cli
-    from deltarule.bench import model as bench_model
+    from deltarule.tools import cli
+    from deltarule.tools.bench import model as bench_model
 
     small = dict(bench_model.MODELS["qwen3_5"])
     small["kwargs"] = dict(small["kwargs"], vocab_size=512, hidden_size=128, intermediate_size=256,
@@ -436,7 +436,7 @@ def test_bench_model_reports_both_modes(monkeypatch, tmp_path, capsys):
 
 def test_bench_model_refuses_a_family_left_unbound(monkeypatch, capsys):
     """A family whose binding is not recognised is not benchmarked as if it ran on deltarule."""
-    from deltarule import cli
+    from deltarule.tools import cli
 
     module = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
     monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", lambda *args, **kwargs: None)

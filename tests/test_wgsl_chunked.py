@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 import deltarule  # noqa: E402
 from deltarule import cases  # noqa: E402
-from deltarule.check import expected  # noqa: E402
+from deltarule.tools.check import expected  # noqa: E402
 from deltarule import WgslStateSlab  # noqa: E402
 from deltarule.kernels.wgsl import chunked  # noqa: E402
 

@@ -300,7 +300,7 @@ class _Recurrence(torch.autograd.Function):
     backward recomputes a chunk's states without the retrieval); the backward runs
     backward.c. Those two are outputs too (not differentiable), so that the Function has
     torch.func's form (a forward without ctx, `setup_context`): the compiled backward op
-    (`deltarule.library`) differentiates a call with `torch.func.vjp`."""
+    (`deltarule.custom_ops`) differentiates a call with `torch.func.vjp`."""
 
     @staticmethod
     def forward(p, q, k, v, g, gk, b, w, S0):
@@ -351,7 +351,7 @@ def _native_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, u: torch
     """The native reverse kernel (`cpu_recurrent.backward`) as an op: [dq, dk, dv, dlam, db, dw,
     dS0], an empty tensor for each one the call has no use for (no decay, no gate, not needed).
     An op because `_Recurrence.backward` runs under `torch.func.vjp` in the compiled backward
-    (`deltarule.library`), where its tensors are torch.func's wrappers without storage: an
+    (`deltarule.custom_ops`), where its tensors are torch.func's wrappers without storage: an
     op's implementation receives the plain tensors. Shapes as `_Recurrence`'s operands: q
     [B, T, Hq/G, G, K] (dq per state head [B, T, Hv, G, K]), u [B, T, Hv, V], ck the
     checkpoints, do [B, T, Hv, G, V], dS None | [N, Hv, K, V], spans `_backward_spans`."""

@@ -27,6 +27,14 @@ SUPPORTS = dict(EVERYTHING, devices="any torch device",
 RECURRENT_MAX_LEN = 16
 
 
+def set_recurrent_max_len(tokens: int) -> int:
+    """Set `RECURRENT_MAX_LEN` (e.g. 0: always chunked; a huge one: always recurrent) for the
+    calls that follow; returns the previous value, to put back (benchmarks force either path)."""
+    global RECURRENT_MAX_LEN
+    previous, RECURRENT_MAX_LEN = RECURRENT_MAX_LEN, tokens
+    return previous
+
+
 def unavailable() -> str | None:
     return None             # torch ops only: runs wherever torch does
 

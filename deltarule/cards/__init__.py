@@ -7,7 +7,7 @@ A card is a folder a JavaScript loader (web/deltarule-kernels.js) runs from:
 - ``metadata.json``: id, the variants (which template each dispatch renders),
   the host program, provenance, and the sha256 digest of every other file;
 - ``test.json`` / ``bench.json``: correctness cases with expected outputs from
-  the float64 reference, and benchmark shapes (`cases.py`);
+  the float64 reference, and benchmark shapes (`fixtures.py`);
 - the ``*.wgsl.jinja`` templates (deltarule's own, rendered by the loader with
   Nunjucks) and ``host.js`` + ``common.js``: the host program that checks
   shapes, builds the sequence table and plans the dispatches.
@@ -27,8 +27,8 @@ import shutil
 from importlib import resources
 
 from ..errors import ContractError
-from ..paths import writable_folder
-from . import cases, manifests
+from ..tools.paths import writable_folder
+from . import fixtures, manifests
 
 __all__ = ["export", "CARDS"]
 
@@ -51,15 +51,15 @@ CARDS = {
     "com.microsoft.GatedDeltaNet": (
         manifests.GATED_DELTA_NET, "gated_delta_net.js",
         [_RECURRENT, _CHUNKED],
-        cases.gated_delta_net_tests),
+        fixtures.gated_delta_net_tests),
     "com.microsoft.LinearAttentionGate": (
         manifests.LINEAR_ATTENTION_GATE, "linear_attention_gate.js",
         [{"name": "gate", "templates": ["gate.wgsl.jinja"], "use": "every call: one invocation per element"}],
-        cases.linear_attention_gate_tests),
+        fixtures.linear_attention_gate_tests),
     "deltarule.LinearAttention": (
         manifests.LINEAR_ATTENTION, "linear_attention.js",
         [_RECURRENT, _CHUNKED],
-        cases.linear_attention_tests),
+        fixtures.linear_attention_tests),
 }
 _SHARED_JS = ("common.js",)
 
@@ -79,7 +79,7 @@ def export(directory: str, only: list[str] | None = None) -> list[str]:
     Raises:
         deltarule.ContractError: before anything is written, where `directory` cannot be
             written (an existing file, a path under a file, not writable:
-            `deltarule.paths.writable_folder`), a card's folder in it is a file or a link, or
+            `deltarule.tools.paths.writable_folder`), a card's folder in it is a file or a link, or
             `only` names an unknown card.
 
     Example:
@@ -107,7 +107,7 @@ def export(directory: str, only: list[str] | None = None) -> list[str]:
         files = {
             "manifest.json": _json(manifest),
             "test.json": _json({"cases": tests()}, indent=None),
-            "bench.json": _json({"cases": cases.bench_cases(card_id)}),
+            "bench.json": _json({"cases": fixtures.bench_cases(card_id)}),
         }
         for name in _templates(variants):
             files[name] = _WGSL.joinpath(name).read_text()

@@ -1,6 +1,6 @@
 """Adapters reproducing other runtimes' contracts on top of `deltarule.linear_attention`.
 
-- `deltarule.contracts.onnx`: ONNX `LinearAttention` (opset 27).
+- `deltarule.contracts.onnx_linear_attention`: ONNX `LinearAttention` (opset 27).
 - `deltarule.contracts.ort`: ONNX Runtime 1.32's `com.microsoft.GatedDeltaNet`
   (compact state-update capture included), `com.microsoft.LinearAttention`
   (state windows), `com.microsoft.CausalConvWithState` and

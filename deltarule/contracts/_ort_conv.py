@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..conv import conv1d_with_state
 from ..errors import ContractError
 from ._convert import Kind, dtype_name
-from .onnx import FLOAT_DTYPES, check_int_attr
+from .onnx_linear_attention import FLOAT_DTYPES, check_int_attr
 
 ACTIVATIONS = ("none", "silu", "swish")
 # the schema's ranges: state_window "[0, 8]", state_update_capacity "0..8"

@@ -13,7 +13,7 @@ from ..api import call as _call
 from ..api import finite_float32
 from ..errors import ContractError
 from ._convert import Kind, dtype_name
-from .onnx import DELTA, FLOAT_DTYPES, GATED, RULES, check_int_attr, check_scale
+from .onnx_linear_attention import DELTA, FLOAT_DTYPES, RULES, check_gate_presence, check_int_attr, check_scale
 
 # GatedDeltaNet's qk_l2_norm: x * rsqrt(sum(x^2) + eps), deltarule's formula, with eps 1e-12 ...
 L2NORM_EPS = 1e-12
@@ -168,9 +168,7 @@ def gated_delta_net_mapping(query, key, value, cu_seqlens, decay, beta, initial_
     lead = tuple(q.shape[:-2])
     Hq, Dk, Hv, Dv = q.shape[-2], q.shape[-1], v.shape[-2], v.shape[-1]
     cu, N, B, S = _requests(kind, cu_seqlens, lead, s0, q.device)
-    if s0 is not None and tuple(s0.shape) != (N, Hv, Dv, Dk):
-        raise ContractError("initial_state", f"(batch, H_v, d_v, d_k) = ({N}, {Hv}, {Dv}, {Dk}), V-major",
-                            f"shape {list(s0.shape)}")
+    _check_state_shape(s0, N, Hv, Dv, Dk)
     d, b, A, bias = _gates(kind, decay, beta, a_log, dt_bias, attrs, q, lead, Hv, Dk)
     per_key = d is not None and d.dim() == len(lead) + 2
     capture = _capture(kind, capture_count, state_update_active, attrs.capacity, N,
@@ -239,6 +237,13 @@ def _initial_state(kind: Kind, initial_state, device) -> torch.Tensor | None:
     if s0.device != device:
         raise ContractError("initial_state", f"device {device} (query's)", s0.device)
     return s0
+
+
+def _check_state_shape(s0: torch.Tensor | None, N: int, Hv: int, Dv: int, Dk: int) -> None:
+    """initial_state's shape, once the requests give its batch N: (N, H_v, d_v, d_k), V-major."""
+    if s0 is not None and tuple(s0.shape) != (N, Hv, Dv, Dk):
+        raise ContractError("initial_state", f"(batch, H_v, d_v, d_k) = ({N}, {Hv}, {Dv}, {Dk}), V-major",
+                            f"shape {list(s0.shape)}")
 
 
 def _query_key_value(kind: Kind, x: torch.Tensor, key, value, s0):
@@ -333,14 +338,9 @@ def _requests(kind: Kind, cu_seqlens, lead: tuple, s0, device):
 def _gates(kind: Kind, decay, beta, a_log, dt_bias, attrs: Attributes, q: torch.Tensor, lead: tuple, Hv: int,
            Dk: int):
     """The checked decay, beta, a_log and dt_bias (None where absent)."""
-    gating, delta = attrs.rule in GATED, attrs.rule in DELTA
     d = kind.tensor("decay", decay)
     b = kind.tensor("beta", beta)
-    for name, t, needed in (("decay", d, gating), ("beta", b, delta)):
-        if needed and t is None:
-            raise ContractError(name, f"an input for update_rule {attrs.rule!r}", "absent")
-        if not needed and t is not None:
-            raise ContractError(name, f"absent for update_rule {attrs.rule!r}", "a tensor")
+    check_gate_presence(d, b, attrs.rule)
     for name, t in (("decay", d), ("beta", b)):
         if t is None:
             continue

@@ -1,5 +1,5 @@
 """`com.microsoft.LinearAttention` (onnxruntime 1.32) on top of deltarule: ONNX's
-`LinearAttention` with ONNX Runtime's extensions (`contracts.onnx._packed(contrib=True)`)
+`LinearAttention` with ONNX Runtime's extensions (`contracts.onnx_linear_attention._packed(contrib=True)`)
 and the `state_window` attribute (per-token states of the last W tokens). The public name
 lives in `deltarule.contracts.ort`."""
 
@@ -9,7 +9,7 @@ import torch
 
 from ..errors import ContractError
 from ._convert import Kind, dtype_name
-from .onnx import DELTA, FLOAT_DTYPES, GATED, RULES, _packed, check_int_attr
+from .onnx_linear_attention import DELTA, FLOAT_DTYPES, GATED, RULES, _packed, check_int_attr
 
 # state_window's range in the schema ("Valid range is [0, 8]"; ORT's shape inference refuses others)
 MAX_STATE_WINDOW = 8
@@ -32,7 +32,7 @@ def linear_attention(
 ):
     """`com.microsoft.LinearAttention`: returns (output, present_state).
 
-    ONNX `LinearAttention` (see `deltarule.contracts.onnx.linear_attention`) with ONNX
+    ONNX `LinearAttention` (see `deltarule.contracts.onnx_linear_attention.linear_attention`) with ONNX
     Runtime's extensions and leniencies:
 
     - inverse GQA: kv_num_heads may be a positive multiple of q_num_heads; value head h

@@ -274,7 +274,7 @@ def _run(q, k, v, *, out_dtype_of, scale, initial_state, output_final_state, sta
     else:
         o, state = call(q, k, v, initial_state=initial_state, cu_seqlens=cu_seqlens)
         # fla returns a fresh tensor, never h0 itself (traced by torch.compile, deltarule's op
-        # already returns a fresh one: deltarule.library)
+        # already returns a fresh one: deltarule.custom_ops)
         if output_final_state and initial_state is not None and not torch.compiler.is_compiling() \
                 and state.untyped_storage().data_ptr() == initial_state.untyped_storage().data_ptr():
             state = state.clone()

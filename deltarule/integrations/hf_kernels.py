@@ -8,8 +8,10 @@ kernels' ``Func`` (an ``nn.Module`` whose class carries ``kernel_layer_name``): 
 with the ``forward`` of a layer class loaded from a repository in the kernel
 mapping. This module holds deltarule's layer classes, one per kernel name
 transformers binds (`LAYERS`), and `REPOSITORY`, a local kernel repository in
-kernels' own layout (``build/torch-universal/metadata.json`` + ``__init__.py``,
-shipped as package data) whose ``layers`` are these classes.
+kernels' own layout (``torch-universal/metadata.json`` + ``__init__.py``, shipped as
+package data) whose ``layers`` are these classes. A local repository's variant folder may sit
+at its top (kernels looks for ``<repo>/<variant>`` before ``<repo>/build/<variant>``; only Hub
+repositories need ``build/``), so no tracked folder is named like a build output.
 
 Two ways to use it:
 
@@ -35,15 +37,24 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["REPOSITORY", "LAYERS", "kernel_mapping", "matches",
+from .drop_ins import call_drop_in, causal_conv1d
+
+__all__ = ["REPOSITORY", "LAYERS", "kernel_mapping", "matches", "send_cuda_to_transformers",
            "ChunkGatedDeltaRule", "FusedRecurrentGatedDeltaRule", "ChunkKda", "FusedRecurrentKda", "CausalConv1dFn"]
 
 # kernels' local repository layout: <repo>/build/<variant>/{metadata.json, __init__.py}
 REPOSITORY = Path(__file__).with_name("hf_kernel_repository")
 
 # enable(cuda="fla") sends CUDA tensors of the layers it bound to transformers' own binding
-# (fla's kernels, or the causal_conv1d package's); set by deltarule.integrations.transformers.
+# (fla's kernels, or the causal_conv1d package's); set through `send_cuda_to_transformers` by
+# deltarule.integrations.transformers.
 cuda_to_transformers = False
+
+
+def send_cuda_to_transformers(on: bool) -> None:
+    """Whether the layers hand CUDA tensors (unpacked) to transformers' own binding: ``enable(cuda=...)``."""
+    global cuda_to_transformers
+    cuda_to_transformers = on
 
 
 def _to_transformers(tensor: torch.Tensor, packed: bool = False) -> bool:
@@ -112,7 +123,6 @@ class CausalConv1dFn(torch.nn.Module):
         cu_seqlens = kwargs.get("cu_seq_lens_q")
         if _to_transformers(hidden_states, packed=cu_seqlens is not None):
             return type(self).forward(self, hidden_states, weight, bias, activation, **kwargs)
-        from .transformers import causal_conv1d
         return causal_conv1d(hidden_states, weight, bias, activation=activation, cu_seqlens=cu_seqlens)
 
 
@@ -127,7 +137,6 @@ def _recurrence(func: torch.nn.Module, kernel: str, query, key, value, kwargs: d
     """A layer's call: transformers' own binding for CUDA tensors after enable(cuda="fla"), else the drop-in."""
     if _to_transformers(query):
         return type(func).forward(func, query, key, value, **kwargs)
-    from .transformers import call_drop_in
     return call_drop_in(kernel, query, key, value, kwargs)
 
 

@@ -24,7 +24,7 @@ try:
 except ImportError as exc:                        # pragma: no cover - depends on the environment
     raise ImportError("deltarule.onnx needs the 'onnx' package: pip install onnx") from exc
 
-from .ops import (
+from .custom_op import (
     DOMAIN,
     GATE_FORMS,
     INPUTS,

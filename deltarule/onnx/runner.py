@@ -43,11 +43,11 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..contracts import onnx as _onnx_contract
+from ..contracts import onnx_linear_attention as _onnx_contract
 from ..contracts import ort as _ort_contract
 from ..errors import ContractError
 from . import feeds as _feeds
-from . import ops as _ops
+from . import custom_op as _ops
 
 __all__ = ["LINEAR_ATTENTION_OPS", "PARTIAL_OPS", "Session", "run", "is_linear_attention_node",
            "computed_by_deltarule"]

@@ -30,7 +30,7 @@ def record(path, layer, part, x, y, qkv, o, conv_state, ssm, before, weight, inp
 
     `before` holds the rows the call reads or writes (`rows_used`) and their conv-state and
     state copies from before the call; the twins run on compact slabs of those rows."""
-    from ...check import STORE_TOL, rel_err
+    from ...tools.check import STORE_TOL, rel_err
     used, conv_before, ssm_before = before
     where = {int(r): i for i, r in enumerate(used.tolist())}
     layout = dict(part.layout, read_rows=[where.get(r, 0) for r in part.layout["read_rows"]],

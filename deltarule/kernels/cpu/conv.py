@@ -1,4 +1,4 @@
-"""ctypes binding of the native short convolution (csrc/conv.c); deltarule/conv.py prepares
+"""ctypes binding of the native short convolution (csrc/conv.c); deltarule/conv/ prepares
 its operands and owns the semantics. Compute only: no checks beyond the struct's layout.
 `ConvLaunch` packs the problem struct once per call signature; `conv` packs and runs one
 call."""

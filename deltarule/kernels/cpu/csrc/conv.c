@@ -1,5 +1,5 @@
 /* The short causal convolution of the hybrid models' linear layers over packed sequences, with
- * a conv-state slab: deltarule/conv.py states the semantics (plain and rolling histories) and
+ * a conv-state slab: deltarule/conv/ states the semantics (plain and rolling histories) and
  * holds the torch form and the float64 twin; this is the cpu form, one pass over the tokens.
  *
  * Every read of the slab happens before any write: where a sequence writes a row another reads
