@@ -74,7 +74,7 @@ def deltarule_exports(checkpoint: str, root: str, *, reuse: bool = False) -> tup
     """deltarule's export of `checkpoint` at each of `DTYPES`, then q4 at each of `VARIANTS`:
     ({row name: model path}, {row name: why it is missing})."""
     from deltarule.onnx.export import exporter
-    from deltarule.onnx.export import onnx as export_onnx
+    from deltarule.onnx.export import export_model as export_onnx
     rows, missing = {}, {}
 
     def export(out: str, dtypes: list, name: str, **quantization) -> dict:

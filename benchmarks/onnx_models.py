@@ -41,7 +41,7 @@ import onnx
 
 from deltarule.tools.bench import checkpoints, copy_bandwidth
 from deltarule.tools.bench.timing import interleaved
-from deltarule.onnx.export import onnx as export_onnx
+from deltarule.onnx.export import export_model as export_onnx
 from deltarule.onnx.export.generate import DecoderSession
 from deltarule.onnx import custom_op as deltarule_ops
 
