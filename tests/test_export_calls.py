@@ -1,4 +1,4 @@
-"""`deltarule.onnx.export.to_onnx` on single `linear_attention` calls: every argument of the call
+"""`deltarule.onnx.export.exporter.to_onnx` on single `linear_attention` calls: every argument of the call
 record the translation accepts (gate forms, g with gk, the raw-gate arm, the sigmoid on every
 gate, scales including 0, L2 norm, state layouts and dtypes, GQA / GVA, 16-bit operands beside
 float32 gates) gives the eager call's result in ONNX Runtime and in `deltarule.onnx.run`, on
