@@ -101,7 +101,7 @@ export async function benchCard(kernel, { repeat = 3, variants } = {}) {
 
 // `node bench.js CARD_FOLDER [repeat]`: the table from Dawn (SwiftShader here), one JSON line per row
 if (typeof process !== "undefined" && process.argv[1] && import.meta.url === (await import("node:url")).pathToFileURL(process.argv[1]).href) {
-  const { nodeGPU } = await import("./test/gpu.js");
+  const { nodeGPU } = await import("./tools/gpu.js");
   const { loadKernel, requestDevice } = await import("./deltarule-kernels.js");
   const gpu = await nodeGPU();
   const device = await requestDevice(gpu);

@@ -17,6 +17,7 @@
 // device as { buffer, shape, dtype }; otherwise they are read back as { data, shape, dtype }
 // (16-bit outputs as Uint16Array bits: `toFloat32` widens them).
 
+// The one ContractError class: the loader's checks and the cards' host programs (HOST_LINK) throw it.
 export class ContractError extends Error {
   // argument (bind key, attribute or option), what was expected, what was given; `limit` for a
   // size beyond the adapter's or the card's bounds: { name, value } (named in `expected` too)
@@ -26,12 +27,15 @@ export class ContractError extends Error {
     Object.assign(this, { argument, expected, actual });
     if (limit) this.limit = limit;
   }
-
-  // host programs (a card's common.js) throw their own ContractError class: both match
-  static [Symbol.hasInstance](x) {
-    return x instanceof Error && x.name === "ContractError";
-  }
 }
+
+// elements of a tensor of this shape (1 for a scalar's [])
+export const numel = (shape) => shape.reduce((a, b) => a * b, 1);
+
+// What a card's host program takes from the loader (its common.js `link`, called before every
+// plan: the card's modules are shared by whatever imports the same URL), so that its refusals
+// are this ContractError too. Cards exported before `link` existed throw a class of their own.
+const HOST_LINK = Object.freeze({ ContractError, numel });
 
 // What WebGPU itself refused (a validation, out-of-memory or internal error caught by the call's
 // error scopes, a failed pipeline, a failed read-back): every message WebGPU gave, and the
@@ -48,7 +52,6 @@ export class WebGPUError extends Error {
 
 const BYTES = { float32: 4, float16: 2, bfloat16: 2, int32: 4 };
 const isNode = typeof process !== "undefined" && !!process.versions?.node;
-const numel = (shape) => shape.reduce((a, b) => a * b, 1);
 
 // ---- reading a card: a URL (fetch) or, in Node, a folder path --------------------------------
 
@@ -183,6 +186,7 @@ export async function loadKernel(source, options = {}) {
       throw new ContractError("outputs", "an array of output bind keys", JSON.stringify(outputs));
     }
     const call = validate(manifest, inputs, attributes, outputs);
+    host.link?.(HOST_LINK);
     const plan = host.plan({ ...call, variant, limits: device.limits });
     checkPlan(call, plan, device.limits, !!resident);
     const pipes = await Promise.all([...plan.passes, ...plan.finish].map((pass) => pipeline(pass.template, pass.spec)));

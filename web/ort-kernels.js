@@ -30,7 +30,7 @@
 // (onnxruntime-web's time over the card's in the same round), with their min and max.
 
 import * as ort from "./node_modules/onnxruntime-web/dist/ort.webgpu.bundle.min.mjs";
-import { loadKernel, relativeError } from "./deltarule-kernels.js";
+import { loadKernel, numel, relativeError } from "./deltarule-kernels.js";
 
 const GDN = "com.microsoft.GatedDeltaNet", LA = "com.microsoft.LinearAttention";
 export const GENERATOR = ".venv/bin/python benchmarks/ort_web_kernels.py --out web/ort-kernels";
@@ -180,7 +180,6 @@ function copyInto(device, from, to, bytes) {
   device.queue.submit([encoder.finish()]);
 }
 
-const numel = (shape) => shape.reduce((a, b) => a * b, 1);
 export function median(xs) {
   const s = [...xs].sort((a, b) => a - b), m = s.length >> 1;
   return s.length % 2 ? s[m] : (s[m - 1] + s[m]) / 2;

@@ -8,8 +8,8 @@
 // ratio and its spread over the runs; then the adapter. onnxruntime-web's WASM runs one thread
 // (the page is not cross-origin isolated).
 import path from "node:path";
-import { serve, withChromium } from "./test/gpu.js";
-import { modelIndex, modelsRoot, timePrefill, webRoot } from "./test/page.js";
+import { serve, withChromium } from "./tools/gpu.js";
+import { modelIndex, modelsRoot, timePrefill, webRoot } from "./tools/generate-page.js";
 
 const args = process.argv.slice(2);
 const option = (name) => args.flatMap((a, i) => (a === name ? [args[i + 1]] : []));

@@ -2,7 +2,7 @@
 // then open the printed URL + generate.html (or demo.html). Files under web/ only, no listing.
 import path from "node:path";
 import { fileURLToPath } from "node:url";
-import { serve } from "./test/gpu.js";
+import { serve } from "./tools/gpu.js";
 
 const server = await serve(path.dirname(fileURLToPath(import.meta.url)), Number(process.argv[2] ?? 0));
 console.log(`${server.url}generate.html`);

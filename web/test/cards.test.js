@@ -7,7 +7,7 @@ import path from "node:path";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 import { ContractError, decodeTensor, loadKernel, requestDevice, runCase, toFloat32 } from "../deltarule-kernels.js";
-import { nodeGPU, serve, withChromium } from "./gpu.js";
+import { nodeGPU, serve, withChromium } from "../tools/gpu.js";
 
 const webRoot = path.dirname(path.dirname(fileURLToPath(import.meta.url)));
 const cardsRoot = path.join(webRoot, "cards");
@@ -110,9 +110,10 @@ function gdnInputs(overrides = {}) {
     ...overrides };
 }
 
+// every refusal, the loader's or a card's host program's, is the loader's one ContractError class
 const refuses = async (promise, argument) => {
-  await assert.rejects(promise, (e) => e instanceof Error && e.name === "ContractError" && e.argument === argument,
-    `a ContractError naming ${argument}`);
+  await assert.rejects(promise, (e) => e instanceof ContractError && e instanceof Error && e.name === "ContractError" &&
+    e.argument === argument, `a ContractError naming ${argument}`);
 };
 
 test("loader: contract errors name the bind key or attribute", async () => {
@@ -167,7 +168,7 @@ test("loader: contract errors name the bind key or attribute", async () => {
     decayScaleT: { data: new Float32Array(3), shape: [3] } };
   await refuses(gate(g, { outputs: ["decayT", "betaT"] }), "betaT");                  // beta requires b
   assert.deepEqual(Object.keys(await gate(g)), ["decayT"]);
-  assert.ok(ContractError);
+  await refuses(gate({ ...g, dtBiasT: { data: new Float32Array(2), shape: [2] } }), "dtBiasT");  // its host program's
   // a resident buffer the shader cannot bind is refused before any GPU work, naming its usage
   // (what only the GPU can refuse, a WebGPUError, is tested in limits.test.js)
   const dev = await nodeDevice();

@@ -5,7 +5,7 @@ import fs from "node:fs";
 import path from "node:path";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
-import { serve, withChromium } from "./gpu.js";
+import { serve, withChromium } from "../tools/gpu.js";
 
 const webRoot = path.dirname(path.dirname(fileURLToPath(import.meta.url)));
 const shots = path.join(webRoot, "test-results");

@@ -10,8 +10,8 @@ import fs from "node:fs";
 import os from "node:os";
 import path from "node:path";
 import { test } from "node:test";
-import { choose, modelIndex, modelsRoot, pick, press, timePrefill, webRoot } from "./page.js";
-import { serve, withChromium } from "./gpu.js";
+import { choose, modelIndex, modelsRoot, pick, press, timePrefill, webRoot } from "../tools/generate-page.js";
+import { serve, withChromium } from "../tools/gpu.js";
 
 const index = modelIndex();
 const shots = path.join(webRoot, "test-results");

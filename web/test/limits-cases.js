@@ -1,7 +1,8 @@
 // Shared by test/limits.test.js (Node, Dawn) and test/limits.html (Chromium): the sizes the
 // loader must refuse before any GPU work, a GPU-work counter, and the resident chains.
 
-const numel = (shape) => shape.reduce((a, b) => a * b, 1);
+import { numel } from "../deltarule-kernels.js";
+
 const fill = (n, x) => new Float32Array(n).fill(x);
 const wave = (n, seed) => Float32Array.from({ length: n }, (_, i) => Math.sin(seed * 7.1 + i * 1.3));
 

@@ -10,7 +10,7 @@ import path from "node:path";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 import { ContractError, loadKernel, requestDevice, WebGPUError } from "../deltarule-kernels.js";
-import { nodeGPU, serve, withChromium } from "./gpu.js";
+import { nodeGPU, serve, withChromium } from "../tools/gpu.js";
 import { gdnSteps, laSteps, readBuffer, refusal, residentChains, sizeCases } from "./limits-cases.js";
 
 const webRoot = path.dirname(path.dirname(fileURLToPath(import.meta.url)));

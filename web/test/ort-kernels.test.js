@@ -13,7 +13,7 @@ import os from "node:os";
 import path from "node:path";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
-import { serve, withChromium } from "./gpu.js";
+import { serve, withChromium } from "../tools/gpu.js";
 
 const webRoot = path.dirname(path.dirname(fileURLToPath(import.meta.url)));
 // the generator's folder, relative to web/ (ORT_KERNELS_DATA: another --out below web/, e.g. a small case)

@@ -4,7 +4,7 @@ import fs from "node:fs";
 import path from "node:path";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
-import { nodeGPU, serve, withChromium } from "./gpu.js";
+import { nodeGPU, serve, withChromium } from "../tools/gpu.js";
 import { N, runSmoke } from "./smoke-kernel.js";
 
 const here = path.dirname(fileURLToPath(import.meta.url));

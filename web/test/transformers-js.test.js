@@ -11,7 +11,7 @@ import { createRequire } from "node:module";
 import path from "node:path";
 import { test } from "node:test";
 import { ExportError, WASM_MEMORY_BYTES, folderFromPath, generate, inspect, openExport, transformersJs } from "../generate.js";
-import { modelIndex, modelsRoot, webRoot } from "./page.js";
+import { modelIndex, modelsRoot, webRoot } from "../tools/generate-page.js";
 
 const index = modelIndex();
 

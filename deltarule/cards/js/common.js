@@ -12,22 +12,14 @@
 // with ref one of { input: bind }, { output: bind }, { buffer: name },
 // { uniform: ArrayBuffer }, { storage: TypedArray } (read-only data made on the host).
 
-export class ContractError extends Error {
-  // the argument (bind key or attribute), what was expected, what was given; `limit`, for a size
-  // beyond what the adapter or the shaders serve: { name, value } (also named in `expected`)
-  constructor(argument, expected, actual, limit) {
-    super(`${argument}: expected ${expected}, got ${actual}`);
-    this.name = "ContractError";
-    this.argument = argument;
-    this.expected = expected;
-    this.actual = actual;
-    if (limit) this.limit = limit;
-  }
+// The loader's ContractError and numel (web/deltarule-kernels.js, their one definition): a card
+// folder cannot import from wherever the loader lives, so the loader hands them over with `link`
+// (every host.js re-exports it) before each `plan`; a host program's refusals are the loader's
+// own ContractError(argument, expected, actual, limit?).
+export let ContractError, numel;
 
-  // the loader's ContractError and this one are two classes (two modules): either matches both
-  static [Symbol.hasInstance](x) {
-    return x instanceof Error && x.name === "ContractError";
-  }
+export function link(loader) {
+  ({ ContractError, numel } = loader);
 }
 
 export const SHADER_DTYPES = { float32: "f32", float16: "f16", bfloat16: "bf16" };
@@ -45,7 +37,6 @@ const KEYS_PER_INVOCATION = 16;
 export const MAX_KEYS = 256;
 export const MAX_GROUP = 16;
 
-export const numel = (shape) => shape.reduce((a, b) => a * b, 1);
 export const same = (a, b) => a.length === b.length && a.every((x, i) => x === b[i]);
 export const show = (shape) => `[${shape.join(", ")}]`;
 

@@ -8,6 +8,8 @@ import {
   resultTarget, same, show,
 } from "./common.js";
 
+export { link } from "./common.js";     // takes the loader's ContractError and numel before each plan
+
 export function plan({ inputs, attributes, variant, limits }) {
   const q = inputs.queryT, k = inputs.keyT, v = inputs.valueT;
   const a = attributes;

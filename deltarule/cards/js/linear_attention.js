@@ -6,6 +6,8 @@ import {
   resultTarget, same, show,
 } from "./common.js";
 
+export { link } from "./common.js";     // takes the loader's ContractError and numel before each plan
+
 const GATED = ["gated", "gated_delta"];
 const DELTA = ["delta", "gated_delta"];
 

@@ -2,6 +2,8 @@
 // beta = sigmoid(b) when requested, in float32 (gate.wgsl.jinja), narrowed on store.
 import { ContractError, numel, resultTarget, same, show, SHADER_DTYPES } from "./common.js";
 
+export { link } from "./common.js";     // takes the loader's ContractError and numel before each plan
+
 const WORKGROUP = 256;
 
 export function plan({ inputs, requested, limits }) {

@@ -1,5 +1,6 @@
 // Driving generate.html in headless Chromium as a person does (pick a folder, choose the
-// backend, press a button), for generate.test.js and prefill-bench.js.
+// backend, press a button), for test/generate.test.js and prefill-bench.js; the folders of
+// web/models (web/models.py) it picks from.
 import fs from "node:fs";
 import path from "node:path";
 import { fileURLToPath } from "node:url";

@@ -1,5 +1,7 @@
-// WebGPU test helpers for this machine class (no GPU): Dawn in Node and headless Chromium,
-// both on SwiftShader's Vulkan ICD from Debian's `chromium` package. See ../ENVIRONMENT.md.
+// WebGPU from Node on this machine class (no GPU): Dawn in Node and headless Chromium, both on
+// SwiftShader's Vulkan ICD from Debian's `chromium` package, and the static server that serves
+// web/ to a browser. Used by the tests (test/*.test.js) and the scripts (serve.js, bench.js,
+// prefill-bench.js). See ../ENVIRONMENT.md.
 import fs from "node:fs";
 import http from "node:http";
 import path from "node:path";
