@@ -1,6 +1,6 @@
 """The export folders the web tests load (issue 35, docs/export.md "transformers.js"): tiny
 random checkpoints of every hybrid family, each with a byte-level BPE tokenizer trained here with
-`tokenizers` (no download), exported by `deltarule.export.onnx` as they are, and the greedy
+`tokenizers` (no download), exported by `deltarule.onnx.export.export_model` as they are, and the greedy
 tokens transformers generates for the same prompt, from its own PyTorch model.
 
     .venv/bin/python web/models.py web/models        # bash .ci/web test runs it
@@ -41,9 +41,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))  # onnx_models
 
-import deltarule.export  # noqa: E402
-from deltarule.bench import checkpoints  # noqa: E402
-from deltarule.export.generate import DecoderSession  # noqa: E402
+import deltarule.onnx.export  # noqa: E402
+from deltarule.tools.bench import checkpoints  # noqa: E402
+from deltarule.onnx.export.generate import DecoderSession  # noqa: E402
 from deltarule.integrations import transformers as integration  # noqa: E402
 
 PROMPT = "The gated delta rule runs in the browser, one token at a time."
@@ -99,7 +99,7 @@ def greedy(checkpoint: str, ids: list[int]) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-# name -> (family, checkpoint kind): every family `deltarule.export` exports that transformers.js
+# name -> (family, checkpoint kind): every family `deltarule.onnx.export` exports that transformers.js
 # could know, as a causal LM and, for Qwen3.5 / Qwen3.5-MoE, as Qwen publishes them
 MODELS = {
     "qwen3_5": ("qwen3_5", "causal_lm"),
@@ -117,8 +117,8 @@ MODELS = {
 # for it), the published layout with the export's defaults (q4 / q4f16 embeddings GatherBlockQuantized)
 DTYPES = ["fp32", "q8", "q4", "q4f16"]
 QUANTIZED = {
-    "qwen3_5": deltarule.export.Quantization(embeddings=False),
-    "qwen3_5-vl": deltarule.export.Quantization(),
+    "qwen3_5": deltarule.onnx.export.Quantization(embeddings=False),
+    "qwen3_5-vl": deltarule.onnx.export.Quantization(),
 }
 
 
@@ -157,7 +157,7 @@ def build(name: str, out: str, work: str) -> dict:
     ids = tok(PROMPT)["input_ids"]
     tokens = greedy(ck, ids)
     quantization = QUANTIZED.get(name)
-    ex = deltarule.export.onnx(ck, os.path.join(out, name), overwrite=True,     # (regenerated fixtures)
+    ex = deltarule.onnx.export.export_model(ck, os.path.join(out, name), overwrite=True,     # (regenerated fixtures)
                                **(dict(dtype=DTYPES, quantization=quantization) if quantization else {}))
     dtypes = {}
     eos = transformers.GenerationConfig.from_pretrained(ck).eos_token_id
@@ -185,7 +185,7 @@ def scan_pair(out: str, work: str, shape: str) -> list[dict]:
     checkpoints.save("qwen3_5", ck, shape=shape, vocab_size=VOCAB)
     tokenizer(ck)
     fused = os.path.join(out, f"qwen3_5-{shape}")
-    ex = deltarule.export.onnx(ck, fused, overwrite=True)
+    ex = deltarule.onnx.export.export_model(ck, fused, overwrite=True)
     scan = fused + "-scan"
     # config, tokenizer and any external weights file copied: the Scan graph names the same file
     shutil.copytree(fused, scan, ignore=shutil.ignore_patterns("*.onnx"))
