@@ -195,7 +195,7 @@ def _must_not_run(what):
 def test_card_export_into_a_file_is_a_user_error_and_writes_nothing(where, tmp_path, capsys, monkeypatch):
     import deltarule.cards as cards
 
-    monkeypatch.setattr(cards, "cases", None)         # building a card's files would fail: nothing may be built
+    monkeypatch.setattr(cards, "fixtures", None)         # building a card's files would fail: nothing may be built
     blocker = tmp_path / "notes.txt"
     blocker.write_text("keep me")
     target = blocker if where == "a file" else blocker / "cards"
@@ -211,7 +211,7 @@ def test_card_export_library_call_checks_its_directory_first(tmp_path, monkeypat
     import deltarule.cards as cards
     from deltarule import ContractError
 
-    monkeypatch.setattr(cards, "cases", None)         # building a card's files would fail: nothing may be built
+    monkeypatch.setattr(cards, "fixtures", None)         # building a card's files would fail: nothing may be built
     blocker = tmp_path / "notes.txt"
     blocker.write_text("")
     for directory in (blocker, blocker / "cards"):
@@ -253,7 +253,7 @@ def test_export_onnx_prints_the_exporters_user_errors_as_one_line(error, tmp_pat
             raise ContractError("model_dir", "a checkpoint folder", "nowhere\n(see docs/export.md)")
         raise Unsupported("layer 3: no fused form\nfor this cache")
 
-    monkeypatch.setattr(export, "onnx", onnx)
+    monkeypatch.setattr(export, "export_model", onnx)
     assert main(["export", "onnx", str(tmp_path / "model"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     if error == "contract":
@@ -265,7 +265,7 @@ def test_export_onnx_prints_the_exporters_user_errors_as_one_line(error, tmp_pat
 def test_export_onnx_checks_out_dir_before_exporting(tmp_path, capsys, monkeypatch):
     import deltarule.onnx.export as export
 
-    monkeypatch.setattr(export, "onnx", _must_not_run("export.onnx"))
+    monkeypatch.setattr(export, "export_model", _must_not_run("export.export_model"))
     blocker = tmp_path / "out.onnx"
     blocker.write_text("")
     for out_dir in (blocker, blocker / "sub"):
@@ -307,7 +307,7 @@ def test_usage_errors_exit_2_without_a_traceback(capsys, monkeypatch):
     import deltarule.onnx.export as export
 
     for module, name in ((bench, "run"), (bench, "copy_bandwidth"), (check, "compare"), (cards, "export"),
-                         (export, "onnx")):    # an option let through fails at once, not after a long run
+                         (export, "export_model")):    # an option let through fails at once, not after a long run
         monkeypatch.setattr(module, name, _must_not_run(f"{module.__name__}.{name}"))
     for argv in (["bench", "--threads", "-1"], ["bench", "--repeat", "two"], ["bench", "--budget", "nan"],
                  ["bench", "--load", "-1"], ["bench", "--load", "one"],

@@ -163,7 +163,7 @@ def killed(config, layout, out_dir, *, filename):
     assert os.path.isfile(os.path.join(out_dir, "onnx", "model.onnx"))      # the model is written
     os.kill(os.getpid(), signal.SIGKILL)
 exporter._write_genai_config = killed
-exporter.onnx(sys.argv[1], sys.argv[2])
+exporter.export_model(sys.argv[1], sys.argv[2])
 """
 
 
